@@ -1,0 +1,71 @@
+"""Parameter, FLOP and key-cache cost of one attention layer's query/key block. Pure arithmetic.
+
+Standard multi-head attention: W_Q, W_K are D_in x D_k with D_k = N_h d_k in total, so the block costs
+2 D_in D_k (+ 2 D_k biases) whatever N_h is. The collaborative block costs 2 D_in R + N_h R (mixing) +
+N_h D_in (content bias). Scores cost n^2 D_k multiply-adds originally and n^2 N_h (R + 1) collaboratively
+(each head scores in R dimensions, plus the content-bias column): long sequences can cost more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+SEQUENCE_LENGTHS = (128, 512, 2048)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    input_dim: int  # D_in
+    num_heads: int  # N_h
+    head_dim: int  # d_k
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class QueryKeyCost:
+    rank: int | None  # None: the original layer
+    parameters: int
+    projection_flops_per_token: int  # multiply-adds to project one token to queries and keys
+    score_flops: dict[int, int]  # sequence length -> multiply-adds for all heads' scores
+    key_cache_per_token: int  # numbers cached per token for keys (decoders)
+
+    def as_dict(self) -> dict:
+        data = asdict(self)
+        data["score_flops"] = {str(k): v for k, v in self.score_flops.items()}
+        return data
+
+
+def original_cost(shape: LayerShape, has_bias: bool = True) -> QueryKeyCost:
+    d, dk = shape.input_dim, shape.key_dim
+    return QueryKeyCost(
+        rank=None,
+        parameters=2 * d * dk + (2 * dk if has_bias else 0),
+        projection_flops_per_token=2 * d * dk,
+        score_flops={n: n * n * dk for n in SEQUENCE_LENGTHS},
+        key_cache_per_token=dk,
+    )
+
+
+def collaborative_cost(shape: LayerShape, rank: int) -> QueryKeyCost:
+    d, h = shape.input_dim, shape.num_heads
+    return QueryKeyCost(
+        rank=rank,
+        parameters=2 * d * rank + h * rank + d * h,
+        # shared query and key, the mixing product, and the content-bias projection
+        projection_flops_per_token=2 * d * rank + h * rank + d * h,
+        score_flops={n: n * n * h * (rank + 1) for n in SEQUENCE_LENGTHS},
+        # one shared key of R numbers, plus one content-bias score per head
+        key_cache_per_token=rank + h,
+    )
+
+
+def candidate_ranks(shape: LayerShape) -> list[int]:
+    """Full rank and its halvings down to one dimension per head."""
+    ranks, rank = [], shape.key_dim
+    while rank >= shape.num_heads and len(ranks) < 4:
+        ranks.append(rank)
+        rank //= 2
+    return ranks
