@@ -28,13 +28,22 @@ from .checkpoint import (
     resolve_model,
 )
 from .costs import LayerShape, QueryKeyCost, candidate_ranks, collaborative_cost, original_cost
-from .decomposition import HeadProducts, content_bias, energy_rank, fit_collaborative, spectra
+from .decomposition import (
+    HeadProducts,
+    content_bias,
+    energy_rank,
+    fit_collaborative,
+    fit_reference_parafac,
+    spectra,
+)
 from .errors import BadInputError, OutputExistsError
 from .integration import FORMAT_VERSION, QUANT_METHOD
 from .modeling import COLLABORATIVE_TENSORS
 
 ENERGY_SHARES = (0.90, 0.95, 0.99)
-METHOD = "tucker-cp-als"
+# "tucker-cp-als": ours. "reference-parafac": the paper's dense TensorLy CP with a random start, kept so
+# anyone can reproduce the comparison.
+METHODS = ("tucker-cp-als", "reference-parafac")
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
@@ -210,6 +219,14 @@ class CompressOptions(BaseModel):
     tolerance: float = Field(1e-7, gt=0)
     max_shard_size: int | str = "5GB"
     overwrite: bool = False
+    method: str = "tucker-cp-als"
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, value: str) -> str:
+        if value not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {value!r}")
+        return value
 
     @field_validator("rank")
     @classmethod
@@ -297,12 +314,12 @@ def compress(model: str, options: CompressOptions, progress: Progress = _no_prog
             model=model,
             output=str(output),
             family=loaded.family.name,
-            method=METHOD,
+            method=options.method,
             layers=reports,
             files=[],
             seconds=0.0,
         )
-        _write_config(loaded, reports, staging)
+        _write_config(loaded, reports, staging, options.method)
         from .report import write_model_card, write_reports
 
         result.seconds = time.perf_counter() - started
@@ -334,7 +351,10 @@ def _fit_layers(loaded: LoadedModel, options: CompressOptions, progress: Progres
         progress("decomposing", index, total)
         t0 = time.perf_counter()
         products = layer_products(loaded, layer)
-        fit = fit_collaborative(products, options.rank, options.max_iterations, options.tolerance)
+        if options.method == "reference-parafac":
+            fit = fit_reference_parafac(products, options.rank, seed=options.seed)
+        else:
+            fit = fit_collaborative(products, options.rank, options.max_iterations, options.tolerance)
         query_bias = _finite(loaded.reader, layer.query_bias) if layer.query_bias else None
         dtype = loaded.reader.dtype_of(layer.query_weight)
         factors = fit.factors
@@ -391,13 +411,13 @@ def _write_weights(loaded: LoadedModel, new_tensors: dict[str, torch.Tensor], st
     return writer.finish()
 
 
-def _write_config(loaded: LoadedModel, reports: list[LayerReport], staging: Path) -> None:
+def _write_config(loaded: LoadedModel, reports: list[LayerReport], staging: Path, method: str) -> None:
     config = dict(loaded.config)  # architectures and model_type stay as they are
     config["quantization_config"] = {
         "quant_method": QUANT_METHOD,
         "format_version": FORMAT_VERSION,
         "tool_version": __version__,
-        "method": METHOD,
+        "method": method,
         "family": loaded.family.name,
         "layers": {r.name: {"rank": r.rank, "num_heads": r.num_heads} for r in reports},
     }

@@ -1,0 +1,260 @@
+"""The command line: parses, calls the pure functions in pipeline.py, prints. Nothing else lives here.
+
+Exit codes: 0 success; 1 a threshold failed; 2 usage error; 3 bad input (missing or unreadable model,
+unsupported architecture, invalid rank, output exists); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+EXIT_CODES = """Exit codes: 0 success, 1 a threshold failed, 2 usage error, 3 bad input, 130 interrupted."""
+
+app = typer.Typer(
+    name="collab-convert",
+    help="Measure how redundant a transformer's attention heads are, and make them collaborate.\n\n"
+    "Start with `collab-convert analyze MODEL`, then `collab-convert compress MODEL --rank R -o OUT`. "
+    + EXIT_CODES,
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+stdout = Console(soft_wrap=True)
+stderr = Console(stderr=True)
+
+
+class _Quiet:
+    quiet = False
+
+
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        typer.echo(f"collab-convert {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    pass
+
+
+def _progress_bar(enabled: bool):
+    if not enabled or _Quiet.quiet:
+        return None
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=stderr,
+        transient=True,
+    )
+
+
+def _run_with_progress(function, *args, show: bool = True):
+    bar = _progress_bar(show and stderr.is_terminal)
+    if bar is None:
+        return function(*args)
+    tasks = {}
+    with bar:
+
+        def progress(what: str, done: int, total: int) -> None:
+            if what not in tasks:
+                tasks[what] = bar.add_task(what, total=total)
+            bar.update(tasks[what], completed=done)
+
+        return function(*args, progress=progress)
+
+
+MODEL_HELP = "A local model folder or a hub id in the local Hugging Face cache (default: the embedded all-MiniLM-L6-v2)."
+
+
+@app.command()
+def analyze(
+    model: str = typer.Argument(None, help=MODEL_HELP, show_default=False),
+    ranks: Optional[str] = typer.Option(None, "--ranks", help="Comma-separated candidate ranks to cost, e.g. 64,128,192."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
+) -> None:
+    """PCA redundancy of every attention layer: spectra, energy ranks, and costs at candidate ranks.
+
+    Next: pick a rank from the 95% or 99% column and run `collab-convert compress MODEL --rank R -o OUT`.
+    """
+    from .checkpoint import DEFAULT_MODEL
+    from .pipeline import analyze as run_analyze
+
+    _Quiet.quiet = quiet
+    candidate = _parse_ranks(ranks)
+    result = _run_with_progress(run_analyze, model or DEFAULT_MODEL, candidate, show=not as_json)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict()))
+        return
+    table = Table(title=f"Attention redundancy: {result.model} ({result.family})")
+    table.add_column("layer")
+    table.add_column("heads x d_k", justify="right")
+    table.add_column("query dims 90/95/99%", justify="right")
+    table.add_column("key dims 90/95/99%", justify="right")
+    table.add_column("Q/K params", justify="right")
+    first = result.layers[0]
+    for candidate_cost in first.candidates:
+        table.add_column(f"R={candidate_cost['rank']}", justify="right")
+    for layer in result.layers:
+        q = layer.energy_ranks["query_unfolding"]
+        k = layer.energy_ranks["key_unfolding"]
+        table.add_row(
+            layer.name,
+            f"{layer.num_heads} x {layer.head_dim}",
+            "/".join(str(v) for v in q.values()),
+            "/".join(str(v) for v in k.values()),
+            f"{layer.original['parameters']:,}",
+            *[f"{c['parameters']:,}" for c in layer.candidates],
+        )
+    stdout.print(table)
+    stdout.print(
+        "Dimensions: shared query/key dimensions holding 90/95/99% of the energy of the stacked head products. "
+        "R=...: Q/K parameters of the collaborative form at that rank.\n"
+        "Next: collab-convert compress MODEL --rank R -o OUT"
+    )
+
+
+def _parse_ranks(text: Optional[str]) -> Optional[list[int]]:
+    if text is None:
+        return None
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"'{text}' is not a comma-separated list of integers", param_hint="--ranks")
+    if not values or any(v < 1 for v in values):
+        raise typer.BadParameter("ranks must be positive integers", param_hint="--ranks")
+    return values
+
+
+@app.command()
+def compress(
+    model: str = typer.Argument(None, help=MODEL_HELP, show_default=False),
+    rank: int = typer.Option(..., "--rank", "-r", help="Shared query/key dimension R for every attention layer."),
+    output: Path = typer.Option(..., "--output", "-o", help="Folder to write the collaborative checkpoint to."),
+    seed: int = typer.Option(0, "--seed", help="Seed for anything random (the default fit has no random step)."),
+    max_iterations: int = typer.Option(500, "--max-iterations", help="ALS iterations per layer at most."),
+    tolerance: float = typer.Option(1e-7, "--tolerance", help="Stop when an iteration improves the error by less than this share."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors shard, e.g. 500MB."),
+    method: str = typer.Option("tucker-cp-als", "--method", help="tucker-cp-als (ours) or reference-parafac (the paper's)."),
+    max_error: Optional[float] = typer.Option(None, "--max-error", help="Exit 1 if any layer's relative error exceeds this."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists and is not empty."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
+) -> None:
+    """Re-parametrize every attention layer into collaborative form and write a loadable checkpoint.
+
+    Next: `import collab_convert` and load OUTPUT with transformers' Auto classes or collab_convert.load_model.
+    """
+    from pydantic import ValidationError
+
+    from .checkpoint import DEFAULT_MODEL
+    from .pipeline import CompressOptions
+    from .pipeline import compress as run_compress
+    from .report import result_json
+
+    _Quiet.quiet = quiet
+    try:
+        options = CompressOptions(
+            rank=rank,
+            output=output,
+            seed=seed,
+            max_iterations=max_iterations,
+            tolerance=tolerance,
+            max_shard_size=max_shard_size,
+            method=method,
+            overwrite=overwrite,
+        )
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise typer.BadParameter(first["msg"].removeprefix("Value error, "), param_hint=f"--{first['loc'][0]}")
+    result = _run_with_progress(run_compress, model or DEFAULT_MODEL, options, show=not as_json)
+    failed = [layer for layer in result.layers if max_error is not None and layer.relative_error > max_error]
+    if as_json:
+        typer.echo(result_json(result).replace("\n", "").replace("  ", ""))
+    else:
+        table = Table(title=f"Collaborative attention at rank {rank}: {result.model}")
+        for column in ("layer", "rank", "relative error", "per-head truncation", "Q/K params before", "after"):
+            table.add_column(column, justify="left" if column == "layer" else "right")
+        for layer in result.layers:
+            table.add_row(
+                layer.name,
+                str(layer.rank),
+                f"{layer.relative_error:.4f}",
+                "-" if layer.per_head_truncation_error != layer.per_head_truncation_error else f"{layer.per_head_truncation_error:.4f}",
+                f"{layer.parameters_before:,}",
+                f"{layer.parameters_after:,}",
+            )
+        stdout.print(table)
+        stdout.print(
+            f"Wrote {result.output} in {result.seconds:.1f} s. Q/K parameters {result.parameters_before:,} -> "
+            f"{result.parameters_after:,}; mean relative error {result.mean_relative_error:.4f}.\n"
+            f"Next: python -c \"import collab_convert; m = collab_convert.load_model('{result.output}')\""
+        )
+    if failed:
+        worst = max(failed, key=lambda layer: layer.relative_error)
+        stderr.print(
+            f"error: {len(failed)} layer(s) exceed --max-error {max_error}: worst {worst.name} at "
+            f"{worst.relative_error:.4f}",
+            highlight=False,
+        )
+        raise typer.Exit(1)
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point: every failure becomes one line on stderr and an exit code, never a traceback."""
+    import click
+
+    from .errors import CollabError
+
+    signal.signal(signal.SIGTERM, _interrupted)
+    try:
+        app(args=argv, prog_name="collab-convert", standalone_mode=False)
+    except click.exceptions.Exit as done:
+        return done.exit_code
+    except click.UsageError as error:
+        hint = f" (see collab-convert {error.ctx.command.name} --help)" if error.ctx and error.ctx.command.name else ""
+        _error(error.format_message().replace("\n", " ") + hint)
+        return 2
+    except click.exceptions.Abort:
+        _error("interrupted; nothing was written")
+        return 130
+    except KeyboardInterrupt:
+        _error("interrupted; nothing was written")
+        return 130
+    except CollabError as error:
+        _error(str(error))
+        return error.exit_code
+    except MemoryError:
+        _error("ran out of memory")
+        return 3
+    return 0
+
+
+def _error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+
+
+def entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The command line, through Typer's CliRunner and, for the one-line error contract, a real process."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from collab_convert.cli import app, main
+from conftest import folder_digest
+
+runner = CliRunner()
+
+
+def test_analyze_json_is_one_object_with_a_layer_per_attention_layer(tiny_bert):
+    result = runner.invoke(app, ["analyze", str(tiny_bert), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert len(data["layers"]) == 2
+    layer = data["layers"][0]
+    assert layer["num_heads"] == 4 and layer["head_dim"] == 12
+    assert set(layer["spectra"]) >= {"query_projection", "key_projection", "query_unfolding", "key_unfolding"}
+    energy = layer["energy_ranks"]["query_unfolding"]
+    assert 1 <= energy["0.90"] <= energy["0.95"] <= energy["0.99"] <= 48
+    assert layer["original"]["parameters"] == 2 * 48 * 48 + 2 * 48
+    assert [c["rank"] for c in layer["candidates"]] == [48, 24, 12, 6]
+
+
+def test_analyze_table_names_every_layer_and_says_what_next(tiny_bert):
+    result = runner.invoke(app, ["analyze", str(tiny_bert), "--ranks", "8,16"])
+    assert result.exit_code == 0, result.output
+    assert "encoder.layer.1.attention.self" in result.stdout
+    assert "R=16" in result.stdout and "collab-convert compress" in result.stdout
+
+
+def test_compress_json_reports_rank_and_error_per_layer(tiny_bert, tmp_path):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["compress", str(tiny_bert), "--rank", "24", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [layer["rank"] for layer in data["layers"]] == [24, 24]
+    assert all(0 < layer["relative_error"] < 1 for layer in data["layers"])
+    assert (out / "model.safetensors").is_file()
+
+
+def test_compress_table_output(tiny_bert, tmp_path):
+    result = runner.invoke(app, ["compress", str(tiny_bert), "--rank", "48", "-o", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert "0.0000" in result.stdout and "load_model" in result.stdout
+
+
+def test_max_error_gate_exits_one(tiny_bert, tmp_path, capsys):
+    code = main(["compress", str(tiny_bert), "--rank", "6", "-o", str(tmp_path / "o"), "--max-error", "0.01", "-q"])
+    assert code == 1
+    assert "exceed --max-error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "arguments, code, message",
+    [
+        (["analyze", "/no/such/folder"], 3, "no such folder"),
+        (["compress", "{model}", "--rank", "0", "-o", "{out}"], 2, "rank must be a positive integer"),
+        (["compress", "{model}", "--rank", "two", "-o", "{out}"], 2, "--rank"),
+        (["compress", "{model}", "--rank", "49", "-o", "{out}"], 3, "exceeds the full rank"),
+        (["compress", "{model}", "--rank", "8"], 2, "--output"),
+        (["compress", "{empty}", "--rank", "8", "-o", "{out}"], 3, "has no config.json"),
+    ],
+)
+def test_bad_input_gets_one_line_and_an_exit_code(tiny_bert, tmp_path, capsys, arguments, code, message):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    filled = [a.format(model=tiny_bert, out=tmp_path / "out", empty=empty) for a in arguments]
+    before = folder_digest(tiny_bert)
+    assert main(filled) == code
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+    assert folder_digest(tiny_bert) == before
+
+
+def test_installed_command_prints_one_line_without_traceback(tmp_path):
+    process = subprocess.run(
+        [sys.executable, "-m", "collab_convert", "compress", str(tmp_path / "missing"), "--rank", "8", "-o", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+    )
+    assert process.returncode == 3
+    assert process.stdout == ""
+    assert process.stderr.strip().count("\n") == 0 and "Traceback" not in process.stderr
+
+
+def test_version():
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout.startswith("collab-convert ")
+
+
+def test_help_lists_exit_codes():
+    result = runner.invoke(app, ["--help"])
+    assert "Exit codes" in result.stdout
