@@ -1,9 +1,8 @@
 """Everything collab-convert knows about model families, as data.
 
 A family says which config `model_type`s it covers, how its attention modules are named (a regex over
-module / tensor-name prefixes), what their query/key/value projections are called, and which collaborative
-forward replaces the module's own. Adding a family is one entry in FAMILIES (plus a forward in modeling.py
-if its attention module has a new signature) and a test.
+module / tensor-name prefixes) and what their query/key projections are called. The collaborative module
+keeps the original forward (see modeling.py), so adding a family is one entry in FAMILIES and a test.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ class Family:
     model_types: tuple[str, ...]
     # Matches the attention module's dotted name, with or without a base-model prefix ("bert.").
     attention_pattern: str
-    forward: str  # name of the collaborative forward in modeling.FORWARDS
     query: str = "query"
     key: str = "key"
     value: str = "value"
@@ -41,7 +39,6 @@ FAMILIES: tuple[Family, ...] = (
         # Models whose self-attention is BertSelfAttention or a verbatim copy of it.
         model_types=("bert", "roberta", "xlm-roberta", "electra", "camembert", "data2vec-text"),
         attention_pattern=r"(^|\.)encoder\.layer\.\d+\.attention\.self$",
-        forward="bert_self_attention",
     ),
 )
 

@@ -1,23 +1,30 @@
-"""Collaborative attention modules for loaded PyTorch models.
+"""Collaborative attention inside loaded PyTorch models.
 
-An original attention module is turned into its collaborative form in place: its query and key projections
-are removed and four tensors take their place (names as in the checkpoint):
+An attention module is turned into its collaborative form in place. Its query and key projections are
+removed and four tensors take their place (names as in the checkpoint):
 
     shared_query.weight  (R, D_in)    x -> x W~_Q, shared by every head
     shared_key.weight    (R, D_in)    y -> y W~_K, shared by every head
     mixing               (N_h, R)     head i scores with x W~_Q diag(mixing[i]) W~_K^T y^T
     content_bias         (N_h, D_in)  head i adds y . content_bias[i] (what the query bias did)
 
-Everything else (value and output projections, dropout, scaling, layer index) stays, and the module's class
-becomes a subclass of its own with a collaborative forward, so it still is what the model expects.
+The module keeps its own forward. transformers 5 attention modules all follow one shape:
+`q = self.<query>(h).view(..., -1, head_dim).transpose(1, 2)`, likewise for keys, then
+`ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation](self, q, k, v, mask, scaling=...)`. So:
 
-The per-head queries are [x W~_Q diag(m_i), 1] and the keys [y W~_K, y r_i]: one dot product gives the
-bilinear score and the content bias together, so any attention function that takes a query/key head size
-different from the value head size (eager, sdpa) computes the collaborative scores, masks included.
+- `self.<query>` now returns the shared query x W~_Q, zero-padded to whole `head_dim` chunks, and
+  `self.<key>` the shared key [y W~_K, y r_1 .. y r_N], likewise padded. The forward reshapes them into
+  "pseudo-heads" without knowing; a KV cache stores the shared key: R + N_h numbers per token, not N_h d_k.
+- the module sees a config view whose attention implementation is "collaborative"; that function unpacks
+  the pseudo-heads, forms per-head queries [x W~_Q diag(m_i), 1] and keys [y W~_K, y r_i], and calls the
+  model's real implementation (eager or sdpa; flash kernels need equal head sizes and are refused) with the
+  original 1/sqrt(d_k) scaling, masks and everything else untouched.
 """
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -25,24 +32,77 @@ import torch
 from torch import nn
 
 COLLABORATIVE_TENSORS = ("shared_query.weight", "shared_key.weight", "mixing", "content_bias")
+ATTENTION_NAME = "collaborative"
 
 
-def collaborative_query_key(module: nn.Module, query_input: torch.Tensor, key_input: torch.Tensor):
-    """Per-head queries (B, N_h, n, R+1) and keys (B, N_h, m, R+1) whose dot products are the scores."""
-    queries = module.shared_query(query_input)  # (B, n, R)
-    queries = queries.unsqueeze(-3) * module.mixing[:, None, :]  # (B, N_h, n, R)
+class CollaborativeConfigView:
+    """The attention module's config: the model's own, except that attention dispatches collaboratively.
+
+    It reads through to the live model config, so set_attn_implementation() on the model still decides
+    which real implementation runs underneath.
+    """
+
+    def __init__(self, base):
+        object.__setattr__(self, "_base", base)
+
+    def __getattr__(self, name: str):
+        if name == "_base":  # during unpickling, before __init__ ran
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._base, name, value)
+
+    @property
+    def _attn_implementation(self) -> str:
+        return ATTENTION_NAME
+
+
+def _padded(width: int, chunk: int) -> int:
+    return chunk * math.ceil(width / chunk)
+
+
+class CollaborativeMixin:
+    """Methods shared by every collaborative attention class (mixed into a subclass of the original)."""
+
+    is_collaborative = True
+
+    def collaborative_query(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_query(hidden_states)
+        return nn.functional.pad(shared, (0, self._query_width - shared.shape[-1]))
+
+    def collaborative_key(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_key(hidden_states)
+        bias = torch.matmul(hidden_states, self.content_bias.T)  # (..., N_h)
+        packed = torch.cat([shared, bias], dim=-1)
+        return nn.functional.pad(packed, (0, self._key_width - packed.shape[-1]))
+
+    @property
+    def _query_width(self) -> int:
+        return _padded(self.mixing.shape[1], self.collaborative_head_dim)
+
+    @property
+    def _key_width(self) -> int:
+        return _padded(self.mixing.shape[1] + self.mixing.shape[0], self.collaborative_head_dim)
+
+
+def unpack_pseudo_heads(module, query: torch.Tensor, key: torch.Tensor):
+    """(B, P, n, d) pseudo-heads back into per-head queries (B, N_h, n, R+1) and keys (B, N_h, m, R+1)."""
+    heads, rank = module.mixing.shape
+    batch = query.shape[0]
+    shared_query = query.transpose(1, 2).reshape(batch, query.shape[2], -1)[..., :rank]
+    packed_key = key.transpose(1, 2).reshape(batch, key.shape[2], -1)
+    shared_key, bias = packed_key[..., :rank], packed_key[..., rank : rank + heads]
+
+    queries = shared_query.unsqueeze(1) * module.mixing[None, :, None, :]
     queries = torch.cat([queries, queries.new_ones(*queries.shape[:-1], 1)], dim=-1)
-
-    keys = module.shared_key(key_input)  # (B, m, R): one key for all heads
-    bias = torch.matmul(key_input, module.content_bias.T)  # (B, m, N_h)
-    heads = module.mixing.shape[0]
-    keys = keys.unsqueeze(-3).expand(*keys.shape[:-2], heads, *keys.shape[-2:])
-    keys = torch.cat([keys, bias.transpose(-1, -2).unsqueeze(-1)], dim=-1)
+    keys = shared_key.unsqueeze(1).expand(batch, heads, *shared_key.shape[1:])
+    keys = torch.cat([keys, bias.transpose(1, 2).unsqueeze(-1)], dim=-1)
     return queries, keys
 
 
 def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Plain attention with the transformers attention-function signature."""
+    """Plain attention with the transformers attention-function signature, for modules without their own."""
     weights = torch.matmul(query, key.transpose(-1, -2)) * scaling
     if attention_mask is not None:
         weights = weights + attention_mask
@@ -51,80 +111,74 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-def attention_function(config) -> Callable:
-    """The model's configured attention function, where it can take query/key heads unlike the values'."""
+def _real_attention_function(module) -> Callable:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    config = module.config._base if isinstance(module.config, CollaborativeConfigView) else module.config
     implementation = getattr(config, "_attn_implementation", None) or "eager"
     if implementation == "eager":
-        return eager_attention
+        # The family's own eager function, where its modeling file has one (some add position biases).
+        own = getattr(sys.modules.get(module.collaborative_origin.__module__), "eager_attention_forward", None)
+        return own or eager_attention
     if "flash" in implementation:
-        # Flash kernels need equal query/key/value head sizes; collaborative heads have R+1 vs d_v.
-        return ALL_ATTENTION_FUNCTIONS["sdpa"]
-    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Forwards, one per attention-module signature
-
-
-def bert_self_attention(self, hidden_states, attention_mask=None, cache=None, **kwargs):
-    """BertSelfAttention.forward (transformers 5) with collaborative queries and keys."""
-    if cache is None:
-        cache = kwargs.pop("past_key_values", None)
-    kwargs.pop("encoder_hidden_states", None)
-    input_shape = hidden_states.shape[:-1]
-    query_layer, key_layer = collaborative_query_key(self, hidden_states, hidden_states)
-    value_layer = self.value(hidden_states).view(*input_shape, -1, self.attention_head_size).transpose(1, 2)
-
-    if cache is not None:
-        from transformers.cache_utils import EncoderDecoderCache
-
-        current = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
-        key_layer, value_layer = current.update(key_layer, value_layer, self.layer_idx, kwargs=kwargs)
-
-    attn_output, attn_weights = attention_function(self.config)(
-        self,
-        query_layer,
-        key_layer,
-        value_layer,
-        attention_mask,
-        dropout=0.0 if not self.training else self.dropout.p,
-        scaling=self.scaling,  # the original 1/sqrt(d_k): the scores approximate the original scores
-        **kwargs,
-    )
-    return attn_output.reshape(*input_shape, -1).contiguous(), attn_weights
-
-
-FORWARDS: dict[str, Callable] = {"bert_self_attention": bert_self_attention}
-
-_CLASS_CACHE: dict[tuple[type, str], type] = {}
-
-
-def _collaborative_class(original: type, forward_name: str) -> type:
-    key = (original, forward_name)
-    if key not in _CLASS_CACHE:
-        _CLASS_CACHE[key] = type(
-            f"Collaborative{original.__name__}",
-            (original,),
-            {"forward": FORWARDS[forward_name], "is_collaborative": True, "__module__": __name__},
+        raise RuntimeError(
+            f"collaborative attention cannot run with {implementation}: its query/key heads (R+1) differ in size "
+            "from the value heads; load the model with attn_implementation='sdpa' or 'eager'"
         )
-    return _CLASS_CACHE[key]
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def collaborative_attention(module, query, key, value, attention_mask, **kwargs):
+    """The attention function collaborative modules dispatch to; plain modules pass straight through."""
+    if not getattr(module, "is_collaborative", False):
+        return _real_attention_function(module)(module, query, key, value, attention_mask, **kwargs)
+    queries, keys = unpack_pseudo_heads(module, query, key)
+    if value.shape[1] != queries.shape[1]:  # grouped values: the keys are per head already
+        value = value.repeat_interleave(queries.shape[1] // value.shape[1], dim=1)
+    return _real_attention_function(module)(module, queries, keys, value, attention_mask, **kwargs)
+
+
+def register_attention_function() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, collaborative_attention)
+
+
+_CLASS_CACHE: dict[tuple[type, str, str], type] = {}
+
+
+def _collaborative_class(original: type, query_name: str, key_name: str) -> type:
+    cache_key = (original, query_name, key_name)
+    if cache_key not in _CLASS_CACHE:
+        _CLASS_CACHE[cache_key] = type(
+            f"Collaborative{original.__name__}",
+            (CollaborativeMixin, original),
+            {
+                # The original forward calls self.<query>(h): hand it the shared query instead.
+                query_name: property(lambda self: self.collaborative_query),
+                key_name: property(lambda self: self.collaborative_key),
+                "collaborative_origin": original,
+                "__module__": __name__,
+            },
+        )
+    return _CLASS_CACHE[cache_key]
 
 
 def make_collaborative(module: nn.Module, family, rank: int, num_heads: int) -> nn.Module:
     """Turn one attention module into its collaborative form, in place, with uninitialised parameters."""
     query = getattr(module, family.query)
     d_in = query.in_features
-    device = query.weight.device
-    dtype = query.weight.dtype
+    head_dim = query.out_features // num_heads
+    device, dtype = query.weight.device, query.weight.dtype
     delattr(module, family.query)
     delattr(module, family.key)
     module.shared_query = nn.Linear(d_in, rank, bias=False, device=device, dtype=dtype)
     module.shared_key = nn.Linear(d_in, rank, bias=False, device=device, dtype=dtype)
     module.mixing = nn.Parameter(torch.empty(num_heads, rank, device=device, dtype=dtype))
     module.content_bias = nn.Parameter(torch.zeros(num_heads, d_in, device=device, dtype=dtype))
-    module.__class__ = _collaborative_class(type(module), family.forward)
+    module.collaborative_head_dim = head_dim
+    module.config = CollaborativeConfigView(module.config)
+    module.__class__ = _collaborative_class(type(module), family.query, family.key)
     return module
 
 
@@ -138,6 +192,7 @@ def collaborate_model(model: nn.Module, family, layers: dict[str, dict[str, Any]
     Checkpoint prefixes and module names may differ by the base-model prefix (a BertModel checkpoint loaded
     into BertForSequenceClassification gains "bert."), so both sides are compared without it.
     """
+    register_attention_function()
     wanted = {strip_prefix(name, base_prefix): spec for name, spec in layers.items()}
     converted = []
     for name, module in list(model.named_modules()):
