@@ -36,6 +36,8 @@ class Sentence:
     text: str
     genre: str
     document: str
+    words: list[str]
+    tags: list[str]  # coarse part-of-speech tags: Brown's tag before any "-tl"/"-hl"/"$" marks
 
 
 def _detokenize(words: list[str]) -> str:
@@ -55,9 +57,15 @@ def sentences(min_words: int = 6, max_words: int = 60) -> list[Sentence]:
             if not tokens:
                 continue
             words = [t.rsplit("/", 1)[0] for t in tokens]
+            tags = [_coarse(t.rsplit("/", 1)[-1]) for t in tokens]
             if min_words <= len(words) <= max_words:
-                result.append(Sentence(_detokenize(words), genre, document))
+                result.append(Sentence(_detokenize(words), genre, document, words, tags))
     return result
+
+
+def _coarse(tag: str) -> str:
+    tag = tag.lower().split("-")[0].split("+")[0].rstrip("$*")
+    return tag or "punct"
 
 
 def split(items: list[Sentence], every: int = 4) -> tuple[list[Sentence], list[Sentence]]:

@@ -1,8 +1,9 @@
 """Everything collab-convert knows about model families, as data.
 
-A family says which config `model_type`s it covers, how its attention modules are named (a regex over
-module / tensor-name prefixes) and what their query/key projections are called. The collaborative module
-keeps the original forward (see modeling.py), so adding a family is one entry in FAMILIES and a test.
+A family says which config `model_type`s it covers, where its attention modules sit (regexes over module /
+tensor-name prefixes, each with the config key that gives its head count) and what their query/key
+projections are called. The collaborative module keeps the original forward (see modeling.py), so adding a
+family is one entry in FAMILIES and a test.
 """
 
 from __future__ import annotations
@@ -15,42 +16,144 @@ from .errors import UnsupportedModelError
 
 
 @dataclass(frozen=True)
+class Site:
+    """Where attention modules sit, and which config key holds their number of heads."""
+
+    pattern: str  # matches the module's dotted name, with or without a base-model prefix ("bert.")
+    num_heads_key: str = "num_attention_heads"
+    cross: bool = False  # queries from one sequence, keys from another (encoder-decoder attention)
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_types: tuple[str, ...]
-    # Matches the attention module's dotted name, with or without a base-model prefix ("bert.").
-    attention_pattern: str
+    sites: tuple[Site, ...]
     query: str = "query"
     key: str = "key"
-    value: str = "value"
-    num_heads_key: str = "num_attention_heads"
-    hidden_size_key: str = "hidden_size"
+    # One projection holding query, key and value side by side (GPT-2's c_attn), and its weight layout:
+    # "conv1d" stores (D_in, D_out) as transformers' Conv1D does, "linear" stores (D_out, D_in).
+    fused: str | None = None
+    fused_layout: str = "linear"
+    # Modules that compute scores inline instead of calling the attention interface need our forward.
+    forward: str | None = None
+    # Config values the collaborative form cannot reproduce, as (key, allowed values, reason).
+    requires: tuple[tuple[str, tuple, str], ...] = ()
 
-    def is_attention(self, module_name: str) -> bool:
-        return re.search(self.attention_pattern, module_name) is not None
+    def site_of(self, module_name: str) -> Site | None:
+        for site in self.sites:
+            if re.search(site.pattern, module_name):
+                return site
+        return None
 
-    def num_heads(self, config: dict[str, Any]) -> int:
-        return int(config[self.num_heads_key])
+    def num_heads(self, config: dict[str, Any], site: Site) -> int:
+        value = config.get(site.num_heads_key)
+        if not isinstance(value, int) or value <= 0:
+            raise UnsupportedModelError(f"config.json has no valid '{site.num_heads_key}'")
+        return value
 
+
+_ABSOLUTE_ONLY = (
+    (
+        "position_embedding_type",
+        (None, "absolute"),
+        "its relative-position scores use the per-head query and key vectors",
+    ),
+)
 
 FAMILIES: tuple[Family, ...] = (
     Family(
         name="bert",
         # Models whose self-attention is BertSelfAttention or a verbatim copy of it.
-        model_types=("bert", "roberta", "xlm-roberta", "electra", "camembert", "data2vec-text"),
-        attention_pattern=r"(^|\.)encoder\.layer\.\d+\.attention\.self$",
+        model_types=("bert", "roberta", "xlm-roberta", "electra", "camembert", "data2vec-text", "ernie"),
+        sites=(Site(r"(^|\.)encoder\.layer\.\d+\.attention\.self$"),),
+        requires=_ABSOLUTE_ONLY,
+    ),
+    Family(
+        name="distilbert",
+        model_types=("distilbert",),
+        sites=(Site(r"(^|\.)transformer\.layer\.\d+\.attention$", "n_heads"),),
+        query="q_lin",
+        key="k_lin",
+    ),
+    Family(
+        # One attention module per layer group, shared by every layer of the group: decomposed once.
+        name="albert",
+        model_types=("albert",),
+        sites=(Site(r"(^|\.)encoder\.albert_layer_groups\.\d+\.albert_layers\.\d+\.attention$"),),
+        requires=_ABSOLUTE_ONLY,
+    ),
+    Family(
+        # The relative position bias is added to the scores and untouched by the re-parametrization.
+        name="mpnet",
+        model_types=("mpnet",),
+        sites=(Site(r"(^|\.)encoder\.layer\.\d+\.attention\.attn$"),),
+        query="q",
+        key="k",
+        forward="mpnet",
+    ),
+    Family(
+        name="vit",
+        model_types=("vit", "deit"),
+        sites=(Site(r"(^|\.)layers\.\d+\.attention$"),),
+        query="q_proj",
+        key="k_proj",
+    ),
+    Family(
+        name="gpt2",
+        model_types=("gpt2",),
+        sites=(Site(r"(^|\.)h\.\d+\.attn$", "n_head"),),
+        fused="c_attn",
+        fused_layout="conv1d",
+        requires=(
+            ("reorder_and_upcast_attn", (None, False), "its upcast path multiplies the per-head queries and keys"),
+            ("add_cross_attention", (None, False), "its cross-attention fuses keys with values differently"),
+        ),
+    ),
+    Family(
+        name="opt",
+        model_types=("opt",),
+        sites=(Site(r"(^|\.)decoder\.layers\.\d+\.self_attn$"),),
+        query="q_proj",
+        key="k_proj",
+        forward="opt",  # its views spell out the head count, so the packed shared key needs our forward
+    ),
+    Family(
+        name="bart",
+        model_types=("bart", "mbart", "marian", "pegasus"),
+        sites=(
+            Site(r"(^|\.)encoder\.layers\.\d+\.self_attn$", "encoder_attention_heads"),
+            Site(r"(^|\.)decoder\.layers\.\d+\.self_attn$", "decoder_attention_heads"),
+            Site(r"(^|\.)decoder\.layers\.\d+\.encoder_attn$", "decoder_attention_heads", cross=True),
+        ),
+        query="q_proj",
+        key="k_proj",
+    ),
+    Family(
+        # No 1/sqrt(d_k) scaling and a relative position bias: both stay exactly as they are.
+        name="t5",
+        model_types=("t5", "mt5"),
+        sites=(
+            Site(r"(^|\.)(encoder|decoder)\.block\.\d+\.layer\.0\.SelfAttention$", "num_heads"),
+            Site(r"(^|\.)decoder\.block\.\d+\.layer\.1\.EncDecAttention$", "num_heads", cross=True),
+        ),
+        query="q",
+        key="k",
     ),
 )
 
 # Families the collaborative form cannot represent exactly, and why. Checked before FAMILIES.
+_ROTARY = (
+    "it uses rotary position embeddings, which make W_Q R W_K^T depend on the token offset, so heads cannot "
+    "share one query/key projection exactly"
+)
 REFUSED: dict[str, str] = {
     **{
-        t: "it uses rotary position embeddings, which make W_Q R W_K^T depend on the token offset, "
-        "so heads cannot share one query/key projection exactly"
+        t: _ROTARY
         for t in (
             "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma", "gemma2",
             "gemma3", "gemma3_text", "phi", "phi3", "gpt_neox", "gptj", "falcon", "olmo", "olmo2", "stablelm",
-            "starcoder2", "cohere", "granite", "roformer", "esm", "modernbert", "nomic_bert",
+            "starcoder2", "cohere", "granite", "roformer", "esm", "modernbert", "nomic_bert", "gpt_neo",
         )
     },
     "deberta": "its disentangled attention adds content-to-position terms with their own projections",
@@ -66,23 +169,13 @@ def family_for(config: dict[str, Any]) -> Family:
         raise UnsupportedModelError(f"model_type '{model_type}' is not supported: {REFUSED[model_type]}")
     for family in FAMILIES:
         if model_type in family.model_types:
-            _check_config(family, config)
+            for key, allowed, reason in family.requires:
+                if config.get(key) not in allowed:
+                    raise UnsupportedModelError(f"{key}={config.get(key)!r} is not supported: {reason}")
             return family
-    supported = ", ".join(sorted(t for f in FAMILIES for t in f.model_types))
-    raise UnsupportedModelError(f"model_type '{model_type}' is not supported (supported: {supported})")
-
-
-def _check_config(family: Family, config: dict[str, Any]) -> None:
-    position = config.get("position_embedding_type", "absolute")
-    if position not in (None, "absolute"):
-        # relative_key(_query) adds terms built from the query and key projections themselves.
-        raise UnsupportedModelError(
-            f"position_embedding_type '{position}' is not supported: its relative-position scores use the "
-            "per-head query and key vectors"
-        )
-    for key in (family.num_heads_key, family.hidden_size_key):
-        if not isinstance(config.get(key), int) or config[key] <= 0:
-            raise UnsupportedModelError(f"config.json has no valid '{key}'")
+    raise UnsupportedModelError(
+        f"model_type '{model_type}' is not supported (supported: {', '.join(supported_model_types())})"
+    )
 
 
 def supported_model_types() -> list[str]:

@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,17 +86,25 @@ def read_config(folder: Path) -> dict[str, Any]:
 
 
 class TensorReader:
-    """Name -> tensor, loaded on demand. Safetensors shards are opened lazily and memory-mapped."""
+    """Name -> tensor, loaded on demand. Safetensors shards are opened lazily and memory-mapped.
 
-    def __init__(self, folder: Path):
+    `rename` maps the file's keys to the names callers use (the loaded model's naming, see naming.py).
+    """
+
+    def __init__(self, folder: Path, rename=None):
         self.folder = folder
         self._location: dict[str, Path] = {}
+        self._key: dict[str, str] = {}  # name -> key in the file
         self._open: dict[Path, Any] = {}
         self._bin_cache: dict[Path, dict[str, torch.Tensor]] = {}
         files = self._weight_files(folder)
         for file in files:
-            for name in self._names_in(file):
+            for key in self._names_in(file):
+                name = rename(key) if rename else key
+                if name in self._location:
+                    raise BadInputError(f"tensor {name} appears twice in the checkpoint")
                 self._location[name] = file
+                self._key[name] = key
 
     @staticmethod
     def _weight_files(folder: Path) -> list[Path]:
@@ -155,24 +163,38 @@ class TensorReader:
         return name in self._location
 
     def get(self, name: str) -> torch.Tensor:
-        file = self._location[name]
+        file, key = self._location[name], self._key[name]
         try:
             if file.suffix == ".safetensors":
-                return self._handle(file).get_tensor(name)
-            return self._load_bin(file)[name]
+                return self._handle(file).get_tensor(key)
+            return self._load_bin(file)[key]
         except BadInputError:
             raise
         except Exception as error:  # noqa: BLE001 - truncated files fail here, not at open
             raise BadInputError(f"tensor {name} in {file.name} could not be read: {error}") from None
 
-    def dtype_of(self, name: str) -> torch.dtype:
-        return self.get(name).dtype
+    def spec(self, name: str) -> TensorSpec:
+        """dtype and shape, read from the safetensors header without loading the tensor."""
+        file, key = self._location[name], self._key[name]
+        if file.suffix == ".safetensors":
+            view = self._handle(file).get_slice(key)
+            dtype = {v: k for k, v in SAFETENSORS_DTYPES.items()}[view.get_dtype()]
+            return TensorSpec(name, dtype, tuple(view.get_shape()))
+        tensor = self._load_bin(file)[key]
+        return TensorSpec(name, tensor.dtype, tuple(tensor.shape))
 
     def metadata(self) -> dict[str, str]:
         first = next(iter(self._location.values()), None)
         if first is not None and first.suffix == ".safetensors":
             return dict(self._handle(first).metadata() or {})
         return {}
+
+    def release_all_but(self, name: str) -> None:
+        """Unmap every safetensors shard except the one holding `name`: reading shard by shard, the pages
+        of finished shards leave the process instead of piling up in its resident memory."""
+        keep = self._location.get(name)
+        for file in [f for f in self._open if f != keep]:
+            del self._open[file]
 
     def close(self) -> None:
         self._open.clear()
@@ -192,60 +214,114 @@ def parse_size(text: str | int) -> int:
     return int(float(number) * base**power)
 
 
-@dataclass
-class ShardWriter:
-    """Streams tensors into safetensors shards of at most `max_shard_bytes`, then writes the index.
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
 
-    Tensors are held only until their shard is full. With a single shard the file is `model.safetensors`
-    and no index is written, as transformers does.
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+
+class ShardWriter:
+    """Writes safetensors shards as tensors arrive, holding one tensor in memory at a time.
+
+    A safetensors file starts with a header naming every tensor's dtype, shape and offset, so the writer is
+    given the specs of all tensors, in the order they will come, before the first byte is written. Shards
+    are cut before a tensor that would take one over `max_shard_bytes`. One shard is `model.safetensors`;
+    several get an index, as transformers writes them.
     """
 
-    folder: Path
-    max_shard_bytes: int = 5 * 10**9
-    _pending: dict[str, torch.Tensor] = field(default_factory=dict)
-    _pending_bytes: int = 0
-    _shards: list[dict[str, Any]] = field(default_factory=list)
-    total_bytes: int = 0
+    def __init__(self, folder: Path, specs: list[TensorSpec], max_shard_bytes: int = 5 * 10**9):
+        self.folder = folder
+        self.specs = specs
+        self.shards: list[list[TensorSpec]] = []
+        size = 0
+        if not specs:
+            raise ValueError("a checkpoint needs at least one tensor")
+        for spec in specs:
+            if not self.shards or (size + spec.nbytes > max_shard_bytes and self.shards[-1]):
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append(spec)
+            size += spec.nbytes
+        count = len(self.shards)
+        self.files = (
+            ["model.safetensors"]
+            if count == 1
+            else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+        )
+        self._position = 0  # index into specs of the next tensor expected
+        self._shard = -1
+        self._handle = None
+
+    def _open_next_shard(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+        self._shard += 1
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for spec in self.shards[self._shard]:
+            header[spec.name] = {
+                "dtype": SAFETENSORS_DTYPES[spec.dtype],
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
+            offset += spec.nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data buffer starts 8-byte aligned
+        self._handle = open(self.folder / self.files[self._shard], "wb")
+        self._handle.write(len(encoded).to_bytes(8, "little"))
+        self._handle.write(encoded)
+        self._remaining = len(self.shards[self._shard])
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
-            self._flush()
-        # contiguous + clone: never keep a view into a memory-mapped input file past its shard.
-        self._pending[name] = tensor.detach().contiguous().clone()
-        self._pending_bytes += size
-        self.total_bytes += size
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        if not self._pending:
-            return
-        number = len(self._shards) + 1
-        temporary = self.folder / f"shard-{number:05d}.safetensors"
-        save_file(self._pending, str(temporary), metadata={"format": "pt"})
-        self._shards.append({"file": temporary, "names": list(self._pending)})
-        self._pending = {}
-        self._pending_bytes = 0
+        spec = self.specs[self._position]
+        if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+            raise RuntimeError(
+                f"writer expected {spec.name} {spec.dtype} {spec.shape}, got {name} {tensor.dtype} {tuple(tensor.shape)}"
+            )
+        if self._handle is None or self._remaining == 0:
+            self._open_next_shard()
+        data = tensor.detach().contiguous().reshape(-1)
+        if data.numel():
+            self._handle.write(data.view(torch.uint8).numpy().tobytes())
+        self._remaining -= 1
+        self._position += 1
 
     def finish(self) -> list[str]:
-        self._flush()
-        count = len(self._shards)
-        if count == 1:
-            final = self.folder / "model.safetensors"
-            self._shards[0]["file"].rename(final)
-            return [final.name]
-        weight_map = {}
-        names = []
-        for number, shard in enumerate(self._shards, start=1):
-            final = self.folder / f"model-{number:05d}-of-{count:05d}.safetensors"
-            shard["file"].rename(final)
-            names.append(final.name)
-            for tensor_name in shard["names"]:
-                weight_map[tensor_name] = final.name
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        if self._position != len(self.specs):
+            raise RuntimeError(f"writer got {self._position} of {len(self.specs)} tensors")
+        if self._handle is not None:
+            self._handle.close()
+        if len(self.files) == 1:
+            return list(self.files)
+        weight_map = {spec.name: self.files[i] for i, shard in enumerate(self.shards) for spec in shard}
+        total = sum(spec.nbytes for spec in self.specs)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        return names + ["model.safetensors.index.json"]
+        return self.files + ["model.safetensors.index.json"]
 
 
 def is_weight_file(relative: str) -> bool:

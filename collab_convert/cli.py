@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .errors import BadInputError
+
 EXIT_CODES = """Exit codes: 0 success, 1 a threshold failed, 2 usage error, 3 bad input, 130 interrupted."""
 
 app = typer.Typer(
@@ -30,7 +32,8 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-stdout = Console(soft_wrap=True)
+# Piped output (CI logs, files) gets wide tables rather than names folded at 80 columns.
+stdout = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 180)
 stderr = Console(stderr=True)
 
 
@@ -88,6 +91,7 @@ MODEL_HELP = "A local model folder or a hub id in the local Hugging Face cache (
 def analyze(
     model: str = typer.Argument(None, help=MODEL_HELP, show_default=False),
     ranks: Optional[str] = typer.Option(None, "--ranks", help="Comma-separated candidate ranks to cost, e.g. 64,128,192."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw the spectra into this PNG file."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
 ) -> None:
@@ -101,11 +105,19 @@ def analyze(
     _Quiet.quiet = quiet
     candidate = _parse_ranks(ranks)
     result = _run_with_progress(run_analyze, model or DEFAULT_MODEL, candidate, show=not as_json)
+    if plot is not None:
+        from .report import plot_spectra
+
+        layers = [(l.name, l.spectra["query_unfolding"], l.spectra["key_unfolding"]) for l in result.layers]
+        try:
+            plot_spectra(layers, plot)
+        except OSError as error:
+            raise BadInputError(f"cannot write the plot to {plot}: {error.strerror or error}") from None
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
         return
     table = Table(title=f"Attention redundancy: {result.model} ({result.family})")
-    table.add_column("layer")
+    table.add_column("layer", no_wrap=True)
     table.add_column("heads x d_k", justify="right")
     table.add_column("query dims 90/95/99%", justify="right")
     table.add_column("key dims 90/95/99%", justify="right")
@@ -151,11 +163,12 @@ def compress(
     output: Path = typer.Option(..., "--output", "-o", help="Folder to write the collaborative checkpoint to."),
     seed: int = typer.Option(0, "--seed", help="Seed for anything random (the default fit has no random step)."),
     max_iterations: int = typer.Option(500, "--max-iterations", help="ALS iterations per layer at most."),
-    tolerance: float = typer.Option(1e-7, "--tolerance", help="Stop when an iteration improves the error by less than this share."),
+    tolerance: float = typer.Option(1e-3, "--tolerance", help="Stop when an iteration improves the error by less than this share."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors shard, e.g. 500MB."),
     method: str = typer.Option("tucker-cp-als", "--method", help="tucker-cp-als (ours) or reference-parafac (the paper's)."),
     max_error: Optional[float] = typer.Option(None, "--max-error", help="Exit 1 if any layer's relative error exceeds this."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists and is not empty."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check the model, ranks and output location; write nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
 ) -> None:
@@ -185,6 +198,19 @@ def compress(
     except ValidationError as error:
         first = error.errors()[0]
         raise typer.BadParameter(first["msg"].removeprefix("Value error, "), param_hint=f"--{first['loc'][0]}")
+    if dry_run:
+        from .pipeline import plan
+
+        checked = plan(model or DEFAULT_MODEL, options)
+        if as_json:
+            typer.echo(json.dumps(checked.to_dict()))
+        else:
+            stdout.print(
+                f"OK: {checked.model} ({checked.family}), {len(checked.layers)} attention layers at rank {rank} -> "
+                f"{checked.output}. Q/K parameters {checked.parameters_before:,} -> {checked.parameters_after:,}.\n"
+                "Next: run the same command without --dry-run."
+            )
+        return
     result = _run_with_progress(run_compress, model or DEFAULT_MODEL, options, show=not as_json)
     failed = [layer for layer in result.layers if max_error is not None and layer.relative_error > max_error]
     if as_json:
@@ -210,10 +236,9 @@ def compress(
         )
     if failed:
         worst = max(failed, key=lambda layer: layer.relative_error)
-        stderr.print(
-            f"error: {len(failed)} layer(s) exceed --max-error {max_error}: worst {worst.name} at "
-            f"{worst.relative_error:.4f}",
-            highlight=False,
+        _error(
+            f"{len(failed)} layer(s) exceed --max-error {max_error}: worst {worst.name} at "
+            f"{worst.relative_error:.4f}"
         )
         raise typer.Exit(1)
 
@@ -222,24 +247,20 @@ def _interrupted(signum, frame):
     raise KeyboardInterrupt
 
 
+def _is(error: BaseException, class_name: str) -> bool:
+    """Match click's exception classes by name: typer may vendor its own copy of click."""
+    return any(cls.__name__ == class_name for cls in type(error).__mro__)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point: every failure becomes one line on stderr and an exit code, never a traceback."""
-    import click
-
     from .errors import CollabError
 
     signal.signal(signal.SIGTERM, _interrupted)
     try:
-        app(args=argv, prog_name="collab-convert", standalone_mode=False)
-    except click.exceptions.Exit as done:
-        return done.exit_code
-    except click.UsageError as error:
-        hint = f" (see collab-convert {error.ctx.command.name} --help)" if error.ctx and error.ctx.command.name else ""
-        _error(error.format_message().replace("\n", " ") + hint)
-        return 2
-    except click.exceptions.Abort:
-        _error("interrupted; nothing was written")
-        return 130
+        # Without standalone mode click returns a typer.Exit's code instead of exiting.
+        code = app(args=argv, prog_name="collab-convert", standalone_mode=False)
+        return code if isinstance(code, int) else 0
     except KeyboardInterrupt:
         _error("interrupted; nothing was written")
         return 130
@@ -249,7 +270,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     except MemoryError:
         _error("ran out of memory")
         return 3
-    return 0
+    except Exception as error:  # click's own exceptions, whichever copy of click raised them
+        if _is(error, "NoArgsIsHelpError"):
+            print(error.format_message() if hasattr(error, "format_message") else "", file=sys.stderr)
+            return 2
+        if _is(error, "UsageError"):
+            context = getattr(error, "ctx", None)
+            command = getattr(getattr(context, "command", None), "name", None)
+            hint = f" (see collab-convert {command} --help)" if command and command != "collab-convert" else ""
+            _error(error.format_message().replace("\n", " ") + hint)
+            return 2
+        if _is(error, "Exit"):
+            return getattr(error, "exit_code", 0)
+        if _is(error, "Abort"):
+            _error("interrupted; nothing was written")
+            return 130
+        raise
 
 
 def _error(message: str) -> None:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 COLLABORATIVE_TENSORS = ("shared_query.weight", "shared_key.weight", "mixing", "content_bias")
+FUSED_VALUE = "value_projection"  # what is left of a fused query/key/value projection: the values
 ATTENTION_NAME = "collaborative"
 
 
@@ -76,6 +77,20 @@ class CollaborativeMixin:
         bias = torch.matmul(hidden_states, self.content_bias.T)  # (..., N_h)
         packed = torch.cat([shared, bias], dim=-1)
         return nn.functional.pad(packed, (0, self._key_width - packed.shape[-1]))
+
+    def collaborative_fused(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Stands in for a fused query/key/value projection: [shared query | packed shared key | values].
+
+        The module splits the result with self.split_size, which make_collaborative set to the three widths.
+        """
+        return torch.cat(
+            [
+                self.collaborative_query(hidden_states),
+                self.collaborative_key(hidden_states),
+                self.value_projection(hidden_states),
+            ],
+            dim=-1,
+        )
 
     @property
     def _query_width(self) -> int:
@@ -138,6 +153,55 @@ def collaborative_attention(module, query, key, value, attention_mask, **kwargs)
     return _real_attention_function(module)(module, queries, keys, value, attention_mask, **kwargs)
 
 
+def mpnet_forward(self, hidden_states, attention_mask=None, position_bias=None, output_attentions=False, **kwargs):
+    """MPNetSelfAttention.forward (transformers 5), which scores inline, with collaborative queries and keys."""
+    input_shape = hidden_states.shape[:-1]
+    pseudo = (*input_shape, -1, self.attention_head_size)
+    queries, keys = unpack_pseudo_heads(
+        self,
+        self.collaborative_query(hidden_states).view(pseudo).transpose(1, 2),
+        self.collaborative_key(hidden_states).view(pseudo).transpose(1, 2),
+    )
+    values = self.v(hidden_states).view(*input_shape, -1, self.attention_head_size).transpose(1, 2)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) / math.sqrt(self.attention_head_size)
+    if position_bias is not None:
+        scores = scores + position_bias
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    probabilities = self.dropout(nn.functional.softmax(scores, dim=-1))
+    context = torch.matmul(probabilities, values).permute(0, 2, 1, 3).contiguous()
+    output = self.o(context.view(*context.shape[:-2], self.all_head_size))
+    return (output, probabilities) if output_attentions else (output,)
+
+
+def opt_forward(self, hidden_states, cache=None, attention_mask=None, output_attentions=False, **kwargs):
+    """OPTAttention.forward (transformers 5), whose views name the head count, with collaborative queries
+    and keys. The cache stores the packed shared key, not per-head keys."""
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
+    batch, length, _ = hidden_states.size()
+    pseudo = (batch, length, -1, self.head_dim)
+    queries = self.collaborative_query(hidden_states).view(pseudo).transpose(1, 2)
+    keys = self.collaborative_key(hidden_states).view(pseudo).transpose(1, 2)
+    values = self.v_proj(hidden_states).view(pseudo).transpose(1, 2)
+    if cache is not None:
+        keys, values = cache.update(keys, values, self.layer_idx, kwargs=kwargs)
+    output, weights = collaborative_attention(
+        self,
+        queries,
+        keys,
+        values,
+        attention_mask,
+        dropout=0.0 if not self.training else self.dropout,
+        scaling=self.scaling,  # OPT scales its queries before the call; the product is the same
+        **kwargs,
+    )
+    return self.out_proj(output.reshape(batch, length, -1).contiguous()), weights
+
+
+FORWARDS: dict[str, Callable] = {"mpnet": mpnet_forward, "opt": opt_forward}
+
+
 def register_attention_function() -> None:
     from transformers import AttentionInterface
 
@@ -147,38 +211,69 @@ def register_attention_function() -> None:
 _CLASS_CACHE: dict[tuple[type, str, str], type] = {}
 
 
-def _collaborative_class(original: type, query_name: str, key_name: str) -> type:
-    cache_key = (original, query_name, key_name)
+def _collaborative_class(original: type, family) -> type:
+    cache_key = (original, family.name)
     if cache_key not in _CLASS_CACHE:
+        # The original forward calls self.<query>(h): hand it the shared query instead (and so on).
+        if family.fused:
+            members = {family.fused: property(lambda self: self.collaborative_fused)}
+        else:
+            members = {
+                family.query: property(lambda self: self.collaborative_query),
+                family.key: property(lambda self: self.collaborative_key),
+            }
+        if family.forward:
+            members["forward"] = FORWARDS[family.forward]
         _CLASS_CACHE[cache_key] = type(
             f"Collaborative{original.__name__}",
             (CollaborativeMixin, original),
-            {
-                # The original forward calls self.<query>(h): hand it the shared query instead.
-                query_name: property(lambda self: self.collaborative_query),
-                key_name: property(lambda self: self.collaborative_key),
-                "collaborative_origin": original,
-                "__module__": __name__,
-            },
+            {**members, "collaborative_origin": original, "__module__": __name__},
         )
     return _CLASS_CACHE[cache_key]
 
 
+def _projection_shape(module: nn.Module, family) -> tuple[int, int, torch.Tensor]:
+    """(D_in, query width, a weight for device and dtype) of the projections about to be replaced."""
+    if family.fused:
+        fused = getattr(module, family.fused)
+        if family.fused_layout == "conv1d":
+            return fused.weight.shape[0], fused.weight.shape[1] // 3, fused.weight
+        return fused.in_features, fused.out_features // 3, fused.weight
+    query = getattr(module, family.query)
+    return query.in_features, query.out_features, query.weight
+
+
 def make_collaborative(module: nn.Module, family, rank: int, num_heads: int) -> nn.Module:
     """Turn one attention module into its collaborative form, in place, with uninitialised parameters."""
-    query = getattr(module, family.query)
-    d_in = query.in_features
-    head_dim = query.out_features // num_heads
-    device, dtype = query.weight.device, query.weight.dtype
-    delattr(module, family.query)
-    delattr(module, family.key)
+    d_in, query_width, weight = _projection_shape(module, family)
+    head_dim = query_width // num_heads
+    device, dtype = weight.device, weight.dtype
+    if family.fused:
+        value_width = query_width  # the fused projections of supported families split evenly
+        if family.fused_layout == "conv1d":
+            from transformers.pytorch_utils import Conv1D
+
+            value = Conv1D(value_width, d_in).to(device=device, dtype=dtype)
+        else:
+            value = nn.Linear(d_in, value_width, device=device, dtype=dtype)
+        delattr(module, family.fused)
+        module.value_projection = value
+    else:
+        delattr(module, family.query)
+        delattr(module, family.key)
     module.shared_query = nn.Linear(d_in, rank, bias=False, device=device, dtype=dtype)
     module.shared_key = nn.Linear(d_in, rank, bias=False, device=device, dtype=dtype)
-    module.mixing = nn.Parameter(torch.empty(num_heads, rank, device=device, dtype=dtype))
+    module.mixing = nn.Parameter(torch.zeros(num_heads, rank, device=device, dtype=dtype))
     module.content_bias = nn.Parameter(torch.zeros(num_heads, d_in, device=device, dtype=dtype))
     module.collaborative_head_dim = head_dim
-    module.config = CollaborativeConfigView(module.config)
-    module.__class__ = _collaborative_class(type(module), family.query, family.key)
+    # transformers' weight initialisation would reach for the removed projections (T5 initialises
+    # module.q.weight); the collaborative tensors come from the checkpoint, and start at zero otherwise.
+    module._is_hf_initialized = True
+    if hasattr(module, "config"):
+        module.config = CollaborativeConfigView(module.config)
+    module.__class__ = _collaborative_class(type(module), family)
+    if family.fused:
+        module.split_size = [module._query_width, module._key_width, value_width]
     return module
 
 

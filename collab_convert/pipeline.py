@@ -21,24 +21,28 @@ from . import __version__
 from .architectures import Family, family_for
 from .checkpoint import (
     ShardWriter,
+    TensorSpec,
     TensorReader,
     copy_non_weight_files,
     parse_size,
     read_config,
     resolve_model,
 )
-from .costs import LayerShape, QueryKeyCost, candidate_ranks, collaborative_cost, original_cost
+from .costs import LayerShape, candidate_ranks, collaborative_cost, original_cost
 from .decomposition import (
     HeadProducts,
     content_bias,
     energy_rank,
     fit_collaborative,
     fit_reference_parafac,
+    key_side_matrix,
+    query_side_matrix,
     spectra,
 )
 from .errors import BadInputError, OutputExistsError
 from .integration import FORMAT_VERSION, QUANT_METHOD
-from .modeling import COLLABORATIVE_TENSORS
+from .modeling import COLLABORATIVE_TENSORS, FUSED_VALUE
+from .naming import model_renamer
 
 ENERGY_SHARES = (0.90, 0.95, 0.99)
 # "tucker-cp-als": ours. "reference-parafac": the paper's dense TensorLy CP with a random start, kept so
@@ -60,10 +64,19 @@ def _no_progress(what: str, done: int, total: int) -> None:
 class AttentionLayer:
     prefix: str  # tensor-name prefix of the attention module, e.g. "encoder.layer.0.attention.self"
     shape: LayerShape
-    query_weight: str
-    key_weight: str
-    query_bias: str | None
-    key_bias: str | None
+    anchor: str  # the tensor whose place in the file the collaborative tensors take
+    replaced: list[str]  # tensors the collaborative form removes
+    has_query_bias: bool
+
+
+@dataclass
+class Projections:
+    """One layer's query/key projections in nn.Linear layout, and tensors that replace a fused projection."""
+
+    query_weight: torch.Tensor
+    key_weight: torch.Tensor
+    query_bias: torch.Tensor | None
+    kept: dict[str, torch.Tensor]  # e.g. the value part of GPT-2's c_attn, under its new name
 
 
 @dataclass
@@ -82,7 +95,7 @@ def open_model(model: str) -> LoadedModel:
     if config.get("quantization_config", {}).get("quant_method") == QUANT_METHOD:
         raise BadInputError(f"{model} is already collaborative; compress the original model instead")
     family = family_for(config)
-    reader = TensorReader(folder)
+    reader = TensorReader(folder, rename=model_renamer(folder, config))
     layers = find_attention_layers(reader, family, config)
     if not layers:
         raise BadInputError(f"{model}: no {family.name} attention layers found among its weights")
@@ -90,34 +103,72 @@ def open_model(model: str) -> LoadedModel:
 
 
 def find_attention_layers(reader: TensorReader, family: Family, config: dict[str, Any]) -> list[AttentionLayer]:
-    num_heads = family.num_heads(config)
-    suffix = f".{family.query}.weight"
+    projection = family.fused or family.query
+    suffix = f".{projection}.weight"
     layers = []
     for name in reader.names():
         if not name.endswith(suffix):
             continue
         prefix = name[: -len(suffix)]
-        if not family.is_attention(prefix):
+        site = family.site_of(prefix)
+        if site is None:
             continue
-        key_weight = f"{prefix}.{family.key}.weight"
-        if key_weight not in reader:
-            raise BadInputError(f"{prefix} has a query projection but no key projection ({key_weight})")
-        query = reader.get(name)
-        if query.ndim != 2 or query.shape[0] % num_heads:
-            raise BadInputError(f"{name} has shape {tuple(query.shape)}, which does not split into {num_heads} heads")
-        shape = LayerShape(input_dim=query.shape[1], num_heads=num_heads, head_dim=query.shape[0] // num_heads)
-        bias = lambda n: n if n in reader else None  # noqa: E731
+        num_heads = family.num_heads(config, site)
+        bias = lambda n: [n] if n in reader else []  # noqa: E731
+        if family.fused:
+            replaced = [name, *bias(f"{prefix}.{family.fused}.bias")]
+            weight = reader.get(name)
+            d_in, width = (weight.shape[0], weight.shape[1]) if family.fused_layout == "conv1d" else weight.shape[::-1]
+            query_width = width // 3
+        else:
+            key_weight = f"{prefix}.{family.key}.weight"
+            if key_weight not in reader:
+                raise BadInputError(f"{prefix} has a query projection but no key projection ({key_weight})")
+            replaced = [
+                name, key_weight, *bias(f"{prefix}.{family.query}.bias"), *bias(f"{prefix}.{family.key}.bias")
+            ]
+            weight = reader.get(name)
+            query_width, d_in = weight.shape if weight.ndim == 2 else (0, 0)
+        if weight.ndim != 2 or query_width == 0 or query_width % num_heads:
+            raise BadInputError(f"{name} has shape {tuple(weight.shape)}, which does not split into {num_heads} heads")
         layers.append(
             AttentionLayer(
                 prefix=prefix,
-                shape=shape,
-                query_weight=name,
-                key_weight=key_weight,
-                query_bias=bias(f"{prefix}.{family.query}.bias"),
-                key_bias=bias(f"{prefix}.{family.key}.bias"),
+                shape=LayerShape(input_dim=d_in, num_heads=num_heads, head_dim=query_width // num_heads),
+                anchor=name,
+                replaced=replaced,
+                has_query_bias=f"{prefix}.{family.fused or family.query}.bias" in reader,
             )
         )
     return sorted(layers, key=lambda layer: _natural_key(layer.prefix))
+
+
+def read_projections(loaded: "LoadedModel", layer: AttentionLayer) -> Projections:
+    family, reader = loaded.family, loaded.reader
+    if not family.fused:
+        query_bias = f"{layer.prefix}.{family.query}.bias"
+        return Projections(
+            query_weight=_finite(reader, f"{layer.prefix}.{family.query}.weight"),
+            key_weight=_finite(reader, f"{layer.prefix}.{family.key}.weight"),
+            query_bias=_finite(reader, query_bias) if query_bias in reader else None,
+            kept={},
+        )
+    conv1d = family.fused_layout == "conv1d"
+    weight = _finite(reader, layer.anchor)
+    linear = weight.T if conv1d else weight  # (3 widths, D_in)
+    width = layer.shape.key_dim
+    bias_name = f"{layer.prefix}.{family.fused}.bias"
+    bias = _finite(reader, bias_name) if bias_name in reader else None
+    value = linear[2 * width :]
+    kept = {f"{layer.prefix}.{FUSED_VALUE}.weight": (value.T if conv1d else value).contiguous()}
+    if bias is not None:
+        kept[f"{layer.prefix}.{FUSED_VALUE}.bias"] = bias[2 * width :].contiguous()
+    return Projections(
+        query_weight=linear[:width],
+        key_weight=linear[width : 2 * width],
+        query_bias=bias[:width] if bias is not None else None,
+        kept=kept,
+    )
 
 
 def _natural_key(text: str) -> list:
@@ -133,10 +184,8 @@ def _finite(reader: TensorReader, name: str) -> torch.Tensor:
     return tensor
 
 
-def layer_products(model: LoadedModel, layer: AttentionLayer) -> HeadProducts:
-    return HeadProducts.from_projections(
-        _finite(model.reader, layer.query_weight), _finite(model.reader, layer.key_weight), layer.shape.num_heads
-    )
+def layer_products(projections: Projections, layer: AttentionLayer) -> HeadProducts:
+    return HeadProducts.from_projections(projections.query_weight, projections.key_weight, layer.shape.num_heads)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -172,7 +221,7 @@ def analyze(model: str, ranks: list[int] | None = None, progress: Progress = _no
     results = []
     for index, layer in enumerate(loaded.layers):
         progress("analyzing", index, len(loaded.layers))
-        products = layer_products(loaded, layer)
+        products = layer_products(read_projections(loaded, layer), layer)
         spec = spectra(products)
         views = {
             "query_projection": spec.query_projection,
@@ -181,7 +230,7 @@ def analyze(model: str, ranks: list[int] | None = None, progress: Progress = _no
             "key_unfolding": spec.key_unfolding,
             "head_unfolding": spec.head_unfolding,
         }
-        has_bias = layer.query_bias is not None
+        has_bias = layer.has_query_bias
         layer_ranks = ranks or candidate_ranks(layer.shape)
         results.append(
             LayerAnalysis(
@@ -189,7 +238,7 @@ def analyze(model: str, ranks: list[int] | None = None, progress: Progress = _no
                 input_dim=layer.shape.input_dim,
                 num_heads=layer.shape.num_heads,
                 head_dim=layer.shape.head_dim,
-                spectra={k: [round(float(x), 6) for x in v] for k, v in views.items()},
+                spectra={k: _rounded(v) for k, v in views.items()},
                 energy_ranks={
                     k: {f"{share:.2f}": energy_rank(v, share) for share in ENERGY_SHARES}
                     for k, v in views.items()
@@ -216,7 +265,7 @@ class CompressOptions(BaseModel):
     output: Path
     seed: int = 0
     max_iterations: int = Field(500, ge=0)
-    tolerance: float = Field(1e-7, gt=0)
+    tolerance: float = Field(1e-3, gt=0)
     max_shard_size: int | str = "5GB"
     overwrite: bool = False
     method: str = "tucker-cp-als"
@@ -252,6 +301,9 @@ class LayerReport:
     seconds: float
     cost_before: dict[str, Any] = field(default_factory=dict)
     cost_after: dict[str, Any] = field(default_factory=dict)
+    # singular values of the query- and key-side unfoldings, for the spectra plot
+    query_spectrum: list[float] = field(default_factory=list)
+    key_spectrum: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -288,27 +340,70 @@ class CompressResult:
         return data
 
 
-def compress(model: str, options: CompressOptions, progress: Progress = _no_progress) -> CompressResult:
-    """Re-parametrize every attention layer into collaborative form and write a complete checkpoint."""
-    started = time.perf_counter()
-    torch.manual_seed(options.seed)
-    max_shard = parse_size(options.max_shard_size)
+@dataclass
+class CompressPlan:
+    """What compress would do, checked without the heavy work (--dry-run)."""
+
+    model: str
+    output: str
+    family: str
+    method: str
+    layers: list[dict[str, Any]]
+    parameters_before: int
+    parameters_after: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan(model: str, options: CompressOptions) -> CompressPlan:
+    """Check the model, the ranks and the output location; decompose nothing, write nothing."""
     loaded = open_model(model)
+    try:
+        return _plan(loaded, model, options)
+    finally:
+        loaded.reader.close()
+
+
+def _plan(loaded: LoadedModel, model: str, options: CompressOptions) -> CompressPlan:
+    parse_size(options.max_shard_size)
     output = options.output.expanduser().resolve()
     _check_output(output, loaded.folder, options.overwrite)
+    layers = []
     for layer in loaded.layers:
         if options.rank > layer.shape.key_dim:
             raise BadInputError(
                 f"rank {options.rank} exceeds the full rank of {layer.prefix} "
                 f"({layer.shape.num_heads} heads x {layer.shape.head_dim} = {layer.shape.key_dim})"
             )
+        before = original_cost(layer.shape, has_bias=layer.has_query_bias).parameters
+        after = collaborative_cost(layer.shape, options.rank).parameters
+        layers.append({"name": layer.prefix, "rank": options.rank, "parameters_before": before,
+                       "parameters_after": after})
+    return CompressPlan(
+        model=model,
+        output=str(output),
+        family=loaded.family.name,
+        method=options.method,
+        layers=layers,
+        parameters_before=sum(layer["parameters_before"] for layer in layers),
+        parameters_after=sum(layer["parameters_after"] for layer in layers),
+    )
 
-    staging = output.parent / f".{output.name}.collab-tmp-{os.getpid()}"
-    output.parent.mkdir(parents=True, exist_ok=True)
+
+def compress(model: str, options: CompressOptions, progress: Progress = _no_progress) -> CompressResult:
+    """Re-parametrize every attention layer into collaborative form and write a complete checkpoint."""
+    started = time.perf_counter()
+    torch.manual_seed(options.seed)
+    loaded = open_model(model)
+    staging = None
     try:
+        checked = _plan(loaded, model, options)
+        output = Path(checked.output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        staging = output.parent / f".{output.name}.collab-tmp-{os.getpid()}"
         staging.mkdir()
-        reports, new_tensors = _fit_layers(loaded, options, progress)
-        files = _write_weights(loaded, new_tensors, staging, max_shard)
+        reports, files = _convert_weights(loaded, options, staging, progress)
         files += copy_non_weight_files(loaded.folder, staging)
         result = CompressResult(
             model=model,
@@ -320,15 +415,16 @@ def compress(model: str, options: CompressOptions, progress: Progress = _no_prog
             seconds=0.0,
         )
         _write_config(loaded, reports, staging, options.method)
-        from .report import write_model_card, write_reports
+        from .report import write_model_card, write_plots, write_reports
 
+        files += ["config.json"] + write_plots(result, staging)
         result.seconds = time.perf_counter() - started
-        files += ["config.json"] + write_reports(result, staging) + write_model_card(result, loaded, staging)
+        files += write_reports(result, staging) + write_model_card(result, loaded, staging)
         result.files = sorted(files)
         _move_into_place(staging, output)
     finally:
         loaded.reader.close()
-        if staging.exists():
+        if staging is not None and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return result
 
@@ -344,71 +440,120 @@ def _check_output(output: Path, source: Path, overwrite: bool) -> None:
             raise OutputExistsError(f"output {output} exists and is not empty; pass --overwrite to replace it")
 
 
-def _fit_layers(loaded: LoadedModel, options: CompressOptions, progress: Progress):
-    reports, tensors = [], {}
-    total = len(loaded.layers)
-    for index, layer in enumerate(loaded.layers):
-        progress("decomposing", index, total)
-        t0 = time.perf_counter()
-        products = layer_products(loaded, layer)
-        if options.method == "reference-parafac":
-            fit = fit_reference_parafac(products, options.rank, seed=options.seed)
+def _convert_weights(loaded: LoadedModel, options: CompressOptions, staging: Path, progress: Progress):
+    """Stream every tensor to the output in input order; at each attention layer, fit it and write its
+    collaborative tensors in place of the ones it replaces. One layer and one tensor in memory at a time."""
+    by_anchor = {layer.anchor: layer for layer in loaded.layers}
+    replaced = {name for layer in loaded.layers for name in layer.replaced}
+    specs = _output_specs(loaded, options, by_anchor, replaced)
+    writer = ShardWriter(staging, specs, parse_size(options.max_shard_size))
+    reader, reports = loaded.reader, []
+    for name in reader.names():
+        reader.release_all_but(name)  # keep one input shard mapped at a time
+        if name in by_anchor:
+            progress("decomposing", len(reports), len(loaded.layers))
+            report, tensors = _fit_layer(loaded, by_anchor[name], options)
+            reports.append(report)
+            for new_name, tensor in tensors.items():
+                writer.add(new_name, tensor)
+        if name not in replaced:
+            writer.add(name, reader.get(name))
+    progress("decomposing", len(reports), len(loaded.layers))
+    return reports, writer.finish()
+
+
+def _output_specs(loaded: LoadedModel, options: CompressOptions, by_anchor, replaced) -> list[TensorSpec]:
+    """Names, dtypes and shapes of every output tensor, in writing order, before anything is computed."""
+    specs = []
+    for name in loaded.reader.names():
+        if name in by_anchor:
+            specs += _collaborative_specs(loaded, by_anchor[name], options.rank)
+        if name not in replaced:
+            specs.append(loaded.reader.spec(name))
+    return specs
+
+
+def _collaborative_specs(loaded: LoadedModel, layer: AttentionLayer, rank: int) -> list[TensorSpec]:
+    anchor = loaded.reader.spec(layer.anchor)
+    family = loaded.family
+    heads, d_in = layer.shape.num_heads, layer.shape.input_dim
+    key_in = d_in if family.fused else loaded.reader.spec(f"{layer.prefix}.{family.key}.weight").shape[1]
+    shapes = {
+        "shared_query.weight": (rank, d_in),
+        "shared_key.weight": (rank, key_in),
+        "mixing": (heads, rank),
+        "content_bias": (heads, key_in),
+    }
+    specs = [TensorSpec(f"{layer.prefix}.{suffix}", anchor.dtype, shapes[suffix]) for suffix in COLLABORATIVE_TENSORS]
+    if family.fused:  # the value third of the fused projection stays, in the fused layout
+        if family.fused_layout == "conv1d":
+            value_shape = (anchor.shape[0], anchor.shape[1] - 2 * layer.shape.key_dim)
         else:
-            fit = fit_collaborative(products, options.rank, options.max_iterations, options.tolerance)
-        query_bias = _finite(loaded.reader, layer.query_bias) if layer.query_bias else None
-        dtype = loaded.reader.dtype_of(layer.query_weight)
-        factors = fit.factors
-        values = {
-            "shared_query.weight": factors.shared_query.T,
-            "shared_key.weight": factors.shared_key.T,
-            "mixing": factors.mixing,
-            "content_bias": content_bias(loaded.reader.get(layer.key_weight), query_bias, layer.shape.num_heads),
-        }
-        for suffix in COLLABORATIVE_TENSORS:
-            tensors[f"{layer.prefix}.{suffix}"] = values[suffix].to(dtype).contiguous()
-        before = original_cost(layer.shape, has_bias=query_bias is not None)
-        after = collaborative_cost(layer.shape, options.rank)
-        reports.append(
-            LayerReport(
-                name=layer.prefix,
-                rank=options.rank,
-                num_heads=layer.shape.num_heads,
-                head_dim=layer.shape.head_dim,
-                input_dim=layer.shape.input_dim,
-                relative_error=fit.relative_error,
-                per_head_truncation_error=_truncation_error(fit),
-                initialisation=fit.initialisation,
-                iterations=fit.iterations,
-                parameters_before=before.parameters,
-                parameters_after=after.parameters,
-                seconds=time.perf_counter() - t0,
-                cost_before=before.as_dict(),
-                cost_after=after.as_dict(),
+            value_shape = (anchor.shape[0] - 2 * layer.shape.key_dim, anchor.shape[1])
+        specs.append(TensorSpec(f"{layer.prefix}.{FUSED_VALUE}.weight", anchor.dtype, value_shape))
+        bias = f"{layer.prefix}.{family.fused}.bias"
+        if bias in loaded.reader:
+            bias_spec = loaded.reader.spec(bias)
+            specs.append(
+                TensorSpec(f"{layer.prefix}.{FUSED_VALUE}.bias", bias_spec.dtype, (bias_spec.shape[0] - 2 * layer.shape.key_dim,))
             )
-        )
-    progress("decomposing", total, total)
-    return reports, tensors
+    return specs
+
+
+def _fit_layer(loaded: LoadedModel, layer: AttentionLayer, options: CompressOptions):
+    t0 = time.perf_counter()
+    projections = read_projections(loaded, layer)
+    products = layer_products(projections, layer)
+    if options.method == "reference-parafac":
+        fit = fit_reference_parafac(products, options.rank, seed=options.seed)
+    else:
+        fit = fit_collaborative(products, options.rank, options.max_iterations, options.tolerance)
+    query_bias = projections.query_bias
+    dtype = projections.query_weight.dtype
+    factors = fit.factors
+    values = {
+        "shared_query.weight": factors.shared_query.T,
+        "shared_key.weight": factors.shared_key.T,
+        "mixing": factors.mixing,
+        "content_bias": content_bias(projections.key_weight, query_bias, layer.shape.num_heads),
+    }
+    tensors = {
+        f"{layer.prefix}.{suffix}": values[suffix].to(dtype).contiguous() for suffix in COLLABORATIVE_TENSORS
+    }
+    tensors.update(projections.kept)
+    before = original_cost(layer.shape, has_bias=layer.has_query_bias)
+    after = collaborative_cost(layer.shape, options.rank)
+    report = LayerReport(
+        name=layer.prefix,
+        rank=options.rank,
+        num_heads=layer.shape.num_heads,
+        head_dim=layer.shape.head_dim,
+        input_dim=layer.shape.input_dim,
+        relative_error=fit.relative_error,
+        per_head_truncation_error=_truncation_error(fit),
+        initialisation=fit.initialisation,
+        iterations=fit.iterations,
+        parameters_before=before.parameters,
+        parameters_after=after.parameters,
+        seconds=time.perf_counter() - t0,
+        cost_before=before.as_dict(),
+        cost_after=after.as_dict(),
+        query_spectrum=_rounded(_spectrum(fit.query_spectrum, products, query_side_matrix)),
+        key_spectrum=_rounded(_spectrum(fit.key_spectrum, products, key_side_matrix)),
+    )
+    return report, tensors
+
+
+def _spectrum(known: torch.Tensor | None, products: HeadProducts, side) -> torch.Tensor:
+    return known if known is not None else torch.linalg.svdvals(side(products))
+
+
+def _rounded(values: torch.Tensor) -> list[float]:
+    return [round(float(v), 6) for v in values]
 
 
 def _truncation_error(fit) -> float:
     return fit.initial_error if fit.initialisation == "per-head truncation" else float("nan")
-
-
-def _write_weights(loaded: LoadedModel, new_tensors: dict[str, torch.Tensor], staging: Path, max_shard: int):
-    replaced = set()
-    for layer in loaded.layers:
-        replaced.update(n for n in (layer.query_weight, layer.key_weight, layer.query_bias, layer.key_bias) if n)
-    writer = ShardWriter(staging, max_shard)
-    # Each layer's collaborative tensors go where its query weight stood, keeping the file order natural.
-    by_layer = {layer.query_weight: layer.prefix for layer in loaded.layers}
-    for name in loaded.reader.names():
-        if name in by_layer:
-            prefix = by_layer[name]
-            for suffix in COLLABORATIVE_TENSORS:
-                writer.add(f"{prefix}.{suffix}", new_tensors[f"{prefix}.{suffix}"])
-        if name not in replaced:
-            writer.add(name, loaded.reader.get(name))
-    return writer.finish()
 
 
 def _write_config(loaded: LoadedModel, reports: list[LayerReport], staging: Path, method: str) -> None:
@@ -425,7 +570,21 @@ def _write_config(loaded: LoadedModel, reports: list[LayerReport], staging: Path
 
 
 def _move_into_place(staging: Path, output: Path) -> None:
-    """The finished folder appears at OUT in one rename; a replaced OUT is removed only after that."""
+    """The finished folder appears at OUT in one rename; a replaced OUT is removed only after that.
+
+    Ctrl-C and SIGTERM are held back for these few renames, so no interrupt leaves OUT half-swapped.
+    """
+    import signal
+
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        _swap_into_place(staging, output)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _swap_into_place(staging: Path, output: Path) -> None:
     if output.exists() and any(output.iterdir()):
         retired = output.parent / f".{output.name}.collab-old-{os.getpid()}"
         output.rename(retired)

@@ -99,3 +99,32 @@ def test_version():
 def test_help_lists_exit_codes():
     result = runner.invoke(app, ["--help"])
     assert "Exit codes" in result.stdout
+
+
+def test_dry_run_checks_without_writing(tiny_bert, tmp_path):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["compress", str(tiny_bert), "--rank", "24", "-o", str(out), "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert len(plan["layers"]) == 2 and plan["parameters_after"] < plan["parameters_before"]
+    assert not out.exists()
+
+
+def test_dry_run_still_refuses_bad_ranks(tiny_bert, tmp_path, capsys):
+    assert main(["compress", str(tiny_bert), "--rank", "100", "-o", str(tmp_path / "o"), "--dry-run"]) == 3
+    assert "exceeds the full rank" in capsys.readouterr().err
+
+
+def test_analyze_draws_spectra(tiny_bert, tmp_path):
+    plot = tmp_path / "spectra.png"
+    result = runner.invoke(app, ["analyze", str(tiny_bert), "--plot", str(plot), "--json"])
+    assert result.exit_code == 0, result.output
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    json.loads(result.stdout)  # the plot does not disturb the JSON on stdout
+
+
+def test_compress_writes_plots(tiny_bert, tmp_path):
+    result = runner.invoke(app, ["compress", str(tiny_bert), "--rank", "24", "-o", str(tmp_path / "o"), "-q"])
+    assert result.exit_code == 0, result.output
+    for name in ("spectra.png", "errors.png"):
+        assert (tmp_path / "o" / name).read_bytes()[:4] == b"\x89PNG"

@@ -1,6 +1,5 @@
 """The math of collaborative attention, on random and structured head stacks (no models)."""
 
-import math
 
 import pytest
 import torch

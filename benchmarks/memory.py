@@ -1,0 +1,83 @@
+"""Peak memory of `compress` against checkpoint size, on GPT-2-medium-shaped bf16 checkpoints.
+
+Builds GPT-2 checkpoints (n_embd 1024, 16 heads, bf16, a small vocabulary) with 12 and 24 layers, saved in
+100 MB shards, then compresses each in a fresh process and reports the peak resident memory above that
+process's own baseline after its imports. Streaming means: one input shard mapped, one layer's math and
+one tensor in flight at a time, so the peak stays flat as the model grows.
+
+    python benchmarks/memory.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MEASURE = r"""
+import json, sys, threading, time
+import collab_convert, torch, matplotlib.pyplot  # imports are the baseline, not the work
+from pathlib import Path
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+baseline = rss()
+peak = [baseline]
+running = [True]
+def sample():
+    while running[0]:
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.002)
+threading.Thread(target=sample, daemon=True).start()
+started = time.perf_counter()
+result = collab_convert.compress(sys.argv[1], collab_convert.CompressOptions(
+    rank=int(sys.argv[3]), output=Path(sys.argv[2]), max_shard_size="100MB"))
+seconds = time.perf_counter() - started
+running[0] = False
+peak[0] = max(peak[0], rss())
+print(json.dumps({"baseline": baseline, "peak": peak[0], "seconds": seconds,
+                  "files": [f for f in result.files if f.endswith(".safetensors")]}))
+"""
+
+
+def build(folder: Path, layers: int) -> int:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=1024, n_layer=layers, n_head=16, n_positions=1024, vocab_size=1000)
+    model = GPT2LMHeadModel(config).to(torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="100MB")
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", default="12,24", help="model depths to measure")
+    parser.add_argument("--rank", type=int, default=512)
+    args = parser.parse_args()
+    print(f"{'layers':>6} {'checkpoint':>11} {'shards':>7} {'peak above baseline':>20} {'share':>7} {'seconds':>8}")
+    with tempfile.TemporaryDirectory() as scratch:
+        for layers in [int(n) for n in args.layers.split(",")]:
+            source = Path(scratch) / f"gpt2-{layers}"
+            size = build(source, layers)
+            shards = len(list(source.glob("*.safetensors")))
+            output = Path(scratch) / f"out-{layers}"
+            run = subprocess.run(
+                [sys.executable, "-c", MEASURE, str(source), str(output), str(args.rank)],
+                capture_output=True, text=True, check=True,
+            )
+            measured = json.loads(run.stdout.strip().splitlines()[-1])
+            above = measured["peak"] - measured["baseline"]
+            print(f"{layers:>6} {size / 1e6:>9.0f}MB {shards:>7} {above / 1e6:>18.0f}MB {above / size:>7.1%} "
+                  f"{measured['seconds']:>8.1f}")
+    print("\ntarget: peak above baseline under half the checkpoint size, and flat as models grow")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Every supported family: a tiny model from its config compresses exactly at full rank, runs at half rank,
+and decoders generate identically at full rank."""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+import transformers as T
+
+import collab_convert
+from collab_convert import CompressOptions, compress
+
+
+@dataclass
+class Case:
+    name: str
+    config: Callable
+    auto: type
+    heads: int  # per attention layer (the largest, where sides differ)
+    head_dim: int
+    kind: str = "text"  # text | vision | causal | seq2seq
+
+
+CASES = [
+    Case("bert", lambda: T.BertConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, max_position_embeddings=40), T.AutoModel, 4, 8),
+    Case("roberta", lambda: T.RobertaConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                            intermediate_size=64, max_position_embeddings=40), T.AutoModel, 4, 8),
+    Case("xlm-roberta", lambda: T.XLMRobertaConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2,
+                                                   num_attention_heads=4, intermediate_size=64,
+                                                   max_position_embeddings=40), T.AutoModel, 4, 8),
+    Case("electra", lambda: T.ElectraConfig(vocab_size=60, embedding_size=16, hidden_size=32, num_hidden_layers=2,
+                                            num_attention_heads=4, intermediate_size=64,
+                                            max_position_embeddings=40), T.AutoModel, 4, 8),
+    Case("distilbert", lambda: T.DistilBertConfig(vocab_size=60, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                                  max_position_embeddings=40), T.AutoModel, 4, 8),
+    Case("albert", lambda: T.AlbertConfig(vocab_size=60, embedding_size=16, hidden_size=32, num_hidden_layers=3,
+                                          num_attention_heads=4, intermediate_size=64,
+                                          max_position_embeddings=40), T.AutoModel, 4, 8),
+    Case("mpnet", lambda: T.MPNetConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, max_position_embeddings=40), T.AutoModel, 4, 8),
+    Case("vit", lambda: T.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                    image_size=16, patch_size=8), T.AutoModel, 4, 8, "vision"),
+    Case("deit", lambda: T.DeiTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, image_size=16, patch_size=8), T.AutoModel, 4, 8, "vision"),
+    Case("gpt2", lambda: T.GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=40,
+                                      bos_token_id=0, eos_token_id=0), T.AutoModelForCausalLM, 4, 8, "causal"),
+    Case("opt", lambda: T.OPTConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    ffn_dim=64, max_position_embeddings=40, word_embed_proj_dim=32, bos_token_id=0,
+                                    eos_token_id=0, pad_token_id=1), T.AutoModelForCausalLM, 4, 8, "causal"),
+    Case("bart", lambda: T.BartConfig(vocab_size=60, d_model=32, encoder_layers=1, decoder_layers=2,
+                                      encoder_attention_heads=4, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                      decoder_ffn_dim=64, max_position_embeddings=40, bos_token_id=0,
+                                      eos_token_id=2, pad_token_id=1, decoder_start_token_id=2,
+                                      forced_eos_token_id=None), T.AutoModelForSeq2SeqLM, 4, 8, "seq2seq"),
+    Case("t5", lambda: T.T5Config(vocab_size=60, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                  decoder_start_token_id=0, pad_token_id=0, eos_token_id=1),
+         T.AutoModelForSeq2SeqLM, 4, 8, "seq2seq"),
+]
+
+
+def build(case: Case, folder):
+    torch.manual_seed(0)
+    model = case.auto.from_config(case.config()).eval()
+    with torch.no_grad():  # real models have sizeable biases; random init has none
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.3)
+    model.save_pretrained(folder)
+    return model
+
+
+def inputs(case: Case):
+    g = torch.Generator().manual_seed(1)
+    if case.kind == "vision":
+        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=g)}
+    ids = torch.randint(3, 60, (2, 9), generator=g)
+    mask = torch.ones_like(ids)
+    if case.kind != "causal":
+        mask[1, 6:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if case.kind == "seq2seq":
+        batch["decoder_input_ids"] = torch.randint(3, 60, (2, 5), generator=g)
+    return batch
+
+
+def first_output(model, batch):
+    with torch.no_grad():
+        out = model(**batch)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def relative_max_error(a, b):
+    return float((a - b).abs().max() / a.abs().max())
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_full_rank_is_exact_and_half_rank_runs(case, tmp_path):
+    original = build(case, tmp_path / "model")
+    batch = inputs(case)
+    full_rank = case.heads * case.head_dim
+    result = compress(str(tmp_path / "model"), CompressOptions(rank=full_rank, output=tmp_path / "full"))
+    assert result.layers, "no attention layer found"
+    assert all(layer.relative_error < 1e-6 for layer in result.layers)
+    collaborative = case.auto.from_pretrained(tmp_path / "full").eval()
+    assert any(getattr(m, "is_collaborative", False) for m in collaborative.modules())
+    assert relative_max_error(first_output(original, batch), first_output(collaborative, batch)) <= 1e-4
+
+    compress(str(tmp_path / "model"), CompressOptions(rank=case.head_dim, output=tmp_path / "half"))
+    reduced = collab_convert.load_model(tmp_path / "half").eval()
+    assert torch.isfinite(first_output(reduced, batch)).all()
+
+
+GENERATORS = [c for c in CASES if c.kind in ("causal", "seq2seq")]
+
+
+@pytest.mark.parametrize("case", GENERATORS, ids=lambda c: c.name)
+def test_greedy_generation_is_identical_at_full_rank(case, tmp_path):
+    original = build(case, tmp_path / "model")
+    compress(str(tmp_path / "model"), CompressOptions(rank=case.heads * case.head_dim, output=tmp_path / "full"))
+    collaborative = case.auto.from_pretrained(tmp_path / "full").eval()
+    prompt = torch.randint(3, 60, (1, 6), generator=torch.Generator().manual_seed(2))
+    settings = dict(max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    a = original.generate(prompt, **settings)
+    b = collaborative.generate(prompt, **settings)
+    assert torch.equal(a, b)
+
+
+def test_decoder_cache_holds_the_shared_key(tmp_path):
+    case = next(c for c in CASES if c.name == "opt")
+    build(case, tmp_path / "model")
+    rank = 12
+    compress(str(tmp_path / "model"), CompressOptions(rank=rank, output=tmp_path / "out"))
+    model = case.auto.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        cache = model(input_ids=torch.randint(3, 60, (1, 7)), use_cache=True).past_key_values
+    keys = cache.layers[0].keys  # (batch, pseudo-heads, tokens, head_dim)
+    per_token = keys.shape[1] * keys.shape[3]
+    # the shared key (R) and one content-bias score per head, padded to whole head-size chunks
+    assert per_token == 8 * -(-(rank + 4) // 8) < 4 * 8 * 2
+    assert per_token < case.heads * case.head_dim
+
+
+def test_albert_shared_attention_is_decomposed_once(tmp_path):
+    case = next(c for c in CASES if c.name == "albert")
+    build(case, tmp_path / "model")
+    result = compress(str(tmp_path / "model"), CompressOptions(rank=16, output=tmp_path / "out"))
+    assert [layer.name for layer in result.layers] == ["encoder.albert_layer_groups.0.albert_layers.0.attention"]
