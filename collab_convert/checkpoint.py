@@ -147,7 +147,13 @@ class TensorReader:
         if file not in self._bin_cache:
             try:
                 # weights_only: a pickle can run code; this refuses anything but tensors and plain containers.
-                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                try:
+                    state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError as error:
+                    if "mmap" not in str(error):
+                        raise
+                    # pre-zipfile checkpoints (torch < 1.6) cannot be memory-mapped; still weights_only
+                    state = torch.load(file, map_location="cpu", weights_only=True)
             except Exception as error:  # noqa: BLE001
                 first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 raise BadInputError(f"{file.name} could not be loaded safely as weights: {first}") from None

@@ -260,7 +260,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         # Without standalone mode click returns a typer.Exit's code instead of exiting.
         code = app(args=argv, prog_name="collab-convert", standalone_mode=False)
-        return code if isinstance(code, int) else 0
+        code = code if isinstance(code, int) else 0
+        if code == 130:  # typer turns Ctrl-C (and our SIGTERM) into a silent Exit(130)
+            _error("interrupted; nothing was written")
+        return code
     except KeyboardInterrupt:
         _error("interrupted; nothing was written")
         return 130
