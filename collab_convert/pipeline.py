@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from . import __version__
@@ -34,8 +36,10 @@ from .decomposition import (
     content_bias,
     energy_rank,
     fit_collaborative,
+    fit_calibrated,
     fit_reference_parafac,
     key_side_matrix,
+    relative_error,
     query_side_matrix,
     spectra,
 )
@@ -261,8 +265,15 @@ class CompressOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rank: int = Field(description="shared query/key dimension D~ for every attention layer")
+    rank: int | Literal["auto"] = Field(description="shared query/key dimension R, or 'auto' (see energy)")
     output: Path
+    # With rank="auto": each layer gets the fewest shared dimensions holding this share of the energy of its
+    # head products (of the logits on the calibration text, when there is one).
+    energy: float = Field(0.95, gt=0, le=1)
+    # Plain text, one example per line (or a folder of .txt files): fit the logits on real inputs.
+    calibration: Path | None = None
+    calibration_samples: int = Field(512, ge=1)
+    calibration_max_length: int = Field(128, ge=2)
     seed: int = 0
     max_iterations: int = Field(500, ge=0)
     tolerance: float = Field(1e-3, gt=0)
@@ -279,9 +290,9 @@ class CompressOptions(BaseModel):
 
     @field_validator("rank")
     @classmethod
-    def _positive_rank(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError(f"rank must be a positive integer, got {value}")
+    def _positive_rank(cls, value):
+        if value != "auto" and value < 1:
+            raise ValueError(f"rank must be a positive integer or 'auto', got {value}")
         return value
 
 
@@ -293,6 +304,8 @@ class LayerReport:
     head_dim: int
     input_dim: int
     relative_error: float
+    # with calibration: the share of logit energy on the calibration inputs that the fit loses
+    logit_error: float | None
     per_head_truncation_error: float
     initialisation: str
     iterations: int
@@ -317,6 +330,7 @@ class CompressResult:
     seconds: float
     tool_version: str = __version__
     schema_version: int = 1
+    calibration: dict[str, Any] | None = None  # what the calibrated fit saw: source and number of examples
 
     @property
     def parameters_before(self) -> int:
@@ -365,20 +379,23 @@ def plan(model: str, options: CompressOptions) -> CompressPlan:
         loaded.reader.close()
 
 
-def _plan(loaded: LoadedModel, model: str, options: CompressOptions) -> CompressPlan:
+def _plan(loaded: LoadedModel, model: str, options: CompressOptions, ranks: dict[str, int] | None = None) -> CompressPlan:
     parse_size(options.max_shard_size)
     output = options.output.expanduser().resolve()
     _check_output(output, loaded.folder, options.overwrite)
+    if options.calibration is not None and options.method != "tucker-cp-als":
+        raise BadInputError("--calibration works with the tucker-cp-als method only")
     layers = []
     for layer in loaded.layers:
-        if options.rank > layer.shape.key_dim:
+        rank = (ranks or {}).get(layer.prefix, options.rank)
+        if rank != "auto" and rank > layer.shape.key_dim:
             raise BadInputError(
-                f"rank {options.rank} exceeds the full rank of {layer.prefix} "
+                f"rank {rank} exceeds the full rank of {layer.prefix} "
                 f"({layer.shape.num_heads} heads x {layer.shape.head_dim} = {layer.shape.key_dim})"
             )
         before = original_cost(layer.shape, has_bias=layer.has_query_bias).parameters
-        after = collaborative_cost(layer.shape, options.rank).parameters
-        layers.append({"name": layer.prefix, "rank": options.rank, "parameters_before": before,
+        after = collaborative_cost(layer.shape, rank).parameters if rank != "auto" else None
+        layers.append({"name": layer.prefix, "rank": rank, "parameters_before": before,
                        "parameters_after": after})
     return CompressPlan(
         model=model,
@@ -387,7 +404,7 @@ def _plan(loaded: LoadedModel, model: str, options: CompressOptions) -> Compress
         method=options.method,
         layers=layers,
         parameters_before=sum(layer["parameters_before"] for layer in layers),
-        parameters_after=sum(layer["parameters_after"] for layer in layers),
+        parameters_after=sum(layer["parameters_after"] or 0 for layer in layers),
     )
 
 
@@ -399,11 +416,28 @@ def compress(model: str, options: CompressOptions, progress: Progress = _no_prog
     staging = None
     try:
         checked = _plan(loaded, model, options)
+        metrics, calibration = None, None
+        if options.calibration is not None:
+            from .calibration import collect_statistics, read_texts
+
+            texts = read_texts(options.calibration, options.calibration_samples)
+            calibration = {
+                "source": str(options.calibration),
+                "examples": len(texts),
+                "max_length": options.calibration_max_length,
+                "objective": "logit error on the calibration inputs (keys centred per sequence)",
+            }
+            metrics = collect_statistics(
+                loaded.folder, loaded.family, [layer.prefix for layer in loaded.layers], texts,
+                options.calibration_max_length, progress,
+            )
+        ranks = _layer_ranks(loaded, options, metrics)
+        checked = _plan(loaded, model, options, ranks)
         output = Path(checked.output)
         output.parent.mkdir(parents=True, exist_ok=True)
         staging = output.parent / f".{output.name}.collab-tmp-{os.getpid()}"
         staging.mkdir()
-        reports, files = _convert_weights(loaded, options, staging, progress)
+        reports, files = _convert_weights(loaded, options, staging, progress, ranks, metrics)
         files += copy_non_weight_files(loaded.folder, staging)
         result = CompressResult(
             model=model,
@@ -413,8 +447,9 @@ def compress(model: str, options: CompressOptions, progress: Progress = _no_prog
             layers=reports,
             files=[],
             seconds=0.0,
+            calibration=calibration,
         )
-        _write_config(loaded, reports, staging, options.method)
+        _write_config(loaded, reports, staging, result.method + ("+calibrated" if calibration else ""))
         from .report import write_model_card, write_plots, write_reports
 
         files += ["config.json"] + write_plots(result, staging)
@@ -440,19 +475,42 @@ def _check_output(output: Path, source: Path, overwrite: bool) -> None:
             raise OutputExistsError(f"output {output} exists and is not empty; pass --overwrite to replace it")
 
 
-def _convert_weights(loaded: LoadedModel, options: CompressOptions, staging: Path, progress: Progress):
+def _layer_ranks(loaded: LoadedModel, options: CompressOptions, metrics) -> dict[str, int]:
+    """One rank per layer: the fixed one, or with rank="auto" the energy rank of the (whitened) products."""
+    if options.rank != "auto":
+        return {layer.prefix: options.rank for layer in loaded.layers}
+    from .decomposition import whiten
+
+    ranks = {}
+    for layer in loaded.layers:
+        products = layer_products(read_projections(loaded, layer), layer)
+        if metrics is not None:
+            products = whiten(products, *metrics[layer.prefix])
+        share = options.energy
+        rank = max(
+            energy_rank(torch.linalg.svdvals(query_side_matrix(products)), share),
+            energy_rank(torch.linalg.svdvals(key_side_matrix(products)), share),
+        )
+        ranks[layer.prefix] = min(max(rank, 1), layer.shape.key_dim)
+    return ranks
+
+
+def _convert_weights(loaded: LoadedModel, options: CompressOptions, staging: Path, progress: Progress,
+                     ranks: dict[str, int], metrics):
     """Stream every tensor to the output in input order; at each attention layer, fit it and write its
     collaborative tensors in place of the ones it replaces. One layer and one tensor in memory at a time."""
     by_anchor = {layer.anchor: layer for layer in loaded.layers}
     replaced = {name for layer in loaded.layers for name in layer.replaced}
-    specs = _output_specs(loaded, options, by_anchor, replaced)
+    specs = _output_specs(loaded, ranks, by_anchor, replaced)
     writer = ShardWriter(staging, specs, parse_size(options.max_shard_size))
     reader, reports = loaded.reader, []
     for name in reader.names():
         reader.release_all_but(name)  # keep one input shard mapped at a time
         if name in by_anchor:
             progress("decomposing", len(reports), len(loaded.layers))
-            report, tensors = _fit_layer(loaded, by_anchor[name], options)
+            layer = by_anchor[name]
+            metric = metrics[layer.prefix] if metrics else None
+            report, tensors = _fit_layer(loaded, layer, options, ranks[layer.prefix], metric)
             reports.append(report)
             for new_name, tensor in tensors.items():
                 writer.add(new_name, tensor)
@@ -462,12 +520,12 @@ def _convert_weights(loaded: LoadedModel, options: CompressOptions, staging: Pat
     return reports, writer.finish()
 
 
-def _output_specs(loaded: LoadedModel, options: CompressOptions, by_anchor, replaced) -> list[TensorSpec]:
+def _output_specs(loaded: LoadedModel, ranks: dict[str, int], by_anchor, replaced) -> list[TensorSpec]:
     """Names, dtypes and shapes of every output tensor, in writing order, before anything is computed."""
     specs = []
     for name in loaded.reader.names():
         if name in by_anchor:
-            specs += _collaborative_specs(loaded, by_anchor[name], options.rank)
+            specs += _collaborative_specs(loaded, by_anchor[name], ranks[by_anchor[name].prefix])
         if name not in replaced:
             specs.append(loaded.reader.spec(name))
     return specs
@@ -500,14 +558,19 @@ def _collaborative_specs(loaded: LoadedModel, layer: AttentionLayer, rank: int) 
     return specs
 
 
-def _fit_layer(loaded: LoadedModel, layer: AttentionLayer, options: CompressOptions):
+def _fit_layer(loaded: LoadedModel, layer: AttentionLayer, options: CompressOptions, rank: int, metric):
     t0 = time.perf_counter()
     projections = read_projections(loaded, layer)
     products = layer_products(projections, layer)
+    bias_correction, logit_error = None, None
     if options.method == "reference-parafac":
-        fit = fit_reference_parafac(products, options.rank, seed=options.seed)
+        fit = fit_reference_parafac(products, rank, seed=options.seed)
+    elif metric is not None:
+        fit, bias_correction = fit_calibrated(products, rank, *metric, options.max_iterations, options.tolerance)
+        logit_error = fit.relative_error
+        fit.relative_error = relative_error(products, fit.factors)
     else:
-        fit = fit_collaborative(products, options.rank, options.max_iterations, options.tolerance)
+        fit = fit_collaborative(products, rank, options.max_iterations, options.tolerance)
     query_bias = projections.query_bias
     dtype = projections.query_weight.dtype
     factors = fit.factors
@@ -515,21 +578,23 @@ def _fit_layer(loaded: LoadedModel, layer: AttentionLayer, options: CompressOpti
         "shared_query.weight": factors.shared_query.T,
         "shared_key.weight": factors.shared_key.T,
         "mixing": factors.mixing,
-        "content_bias": content_bias(projections.key_weight, query_bias, layer.shape.num_heads),
+        "content_bias": content_bias(projections.key_weight, query_bias, layer.shape.num_heads)
+        + (bias_correction if bias_correction is not None else 0.0),
     }
     tensors = {
         f"{layer.prefix}.{suffix}": values[suffix].to(dtype).contiguous() for suffix in COLLABORATIVE_TENSORS
     }
     tensors.update(projections.kept)
     before = original_cost(layer.shape, has_bias=layer.has_query_bias)
-    after = collaborative_cost(layer.shape, options.rank)
+    after = collaborative_cost(layer.shape, rank)
     report = LayerReport(
         name=layer.prefix,
-        rank=options.rank,
+        rank=rank,
         num_heads=layer.shape.num_heads,
         head_dim=layer.shape.head_dim,
         input_dim=layer.shape.input_dim,
         relative_error=fit.relative_error,
+        logit_error=logit_error,
         per_head_truncation_error=_truncation_error(fit),
         initialisation=fit.initialisation,
         iterations=fit.iterations,
