@@ -22,6 +22,7 @@ class Site:
     pattern: str  # matches the module's dotted name, with or without a base-model prefix ("bert.")
     num_heads_key: str = "num_attention_heads"
     cross: bool = False  # queries from one sequence, keys from another (encoder-decoder attention)
+    causal: bool = False  # each query sees only the keys up to its own position
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class Family:
     forward: str | None = None
     # Config values the collaborative form cannot reproduce, as (key, allowed values, reason).
     requires: tuple[tuple[str, tuple, str], ...] = ()
+    # Scores are exactly softmax(q.k / sqrt(d_k)) plus masks, so calibration can refine them against the
+    # original's attention (families with position biases or other scalings are fitted, not refined).
+    refinable: bool = True
 
     def site_of(self, module_name: str) -> Site | None:
         for site in self.sites:
@@ -91,6 +95,7 @@ FAMILIES: tuple[Family, ...] = (
         query="q",
         key="k",
         forward="mpnet",
+        refinable=False,
     ),
     Family(
         name="vit",
@@ -102,18 +107,19 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         name="gpt2",
         model_types=("gpt2",),
-        sites=(Site(r"(^|\.)h\.\d+\.attn$", "n_head"),),
+        sites=(Site(r"(^|\.)h\.\d+\.attn$", "n_head", causal=True),),
         fused="c_attn",
         fused_layout="conv1d",
         requires=(
             ("reorder_and_upcast_attn", (None, False), "its upcast path multiplies the per-head queries and keys"),
             ("add_cross_attention", (None, False), "its cross-attention fuses keys with values differently"),
         ),
+        refinable=False,  # scale_attn_weights / scale_attn_by_inverse_layer_idx change the score scale
     ),
     Family(
         name="opt",
         model_types=("opt",),
-        sites=(Site(r"(^|\.)decoder\.layers\.\d+\.self_attn$"),),
+        sites=(Site(r"(^|\.)decoder\.layers\.\d+\.self_attn$", causal=True),),
         query="q_proj",
         key="k_proj",
         forward="opt",  # its views spell out the head count, so the packed shared key needs our forward
@@ -123,7 +129,7 @@ FAMILIES: tuple[Family, ...] = (
         model_types=("bart", "mbart", "marian", "pegasus"),
         sites=(
             Site(r"(^|\.)encoder\.layers\.\d+\.self_attn$", "encoder_attention_heads"),
-            Site(r"(^|\.)decoder\.layers\.\d+\.self_attn$", "decoder_attention_heads"),
+            Site(r"(^|\.)decoder\.layers\.\d+\.self_attn$", "decoder_attention_heads", causal=True),
             Site(r"(^|\.)decoder\.layers\.\d+\.encoder_attn$", "decoder_attention_heads", cross=True),
         ),
         query="q_proj",
@@ -139,6 +145,7 @@ FAMILIES: tuple[Family, ...] = (
         ),
         query="q",
         key="k",
+        refinable=False,
     ),
 )
 

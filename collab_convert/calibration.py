@@ -42,16 +42,29 @@ def read_texts(path: Path, limit: int | None = None) -> list[str]:
 
 
 @dataclass
+class LayerCalibration:
+    query: InputMetric
+    key: InputMetric
+    query_samples: list  # per sequence (n, D) float32, for refinement
+    key_samples: list
+
+
+@dataclass
 class _Moments:
     query_sum: torch.Tensor | None = None
     query_outer: torch.Tensor | None = None
     query_count: int = 0
     key_outer: torch.Tensor | None = None
     key_count: int = 0
-    pending_query: list = field(default_factory=list)
+    keep: int = 0  # raw sequences to keep for refinement
+    query_samples: list = field(default_factory=list)
+    key_samples: list = field(default_factory=list)
 
     def add_query(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).double()
+        x = x.reshape(-1, x.shape[-1])
+        if len(self.query_samples) < self.keep:
+            self.query_samples.append(x.float().clone())
+        x = x.double()
         if self.query_sum is None:
             self.query_sum = x.sum(0)
             self.query_outer = x.T @ x
@@ -62,17 +75,21 @@ class _Moments:
 
     def add_key(self, y: torch.Tensor) -> None:
         # one sequence per call (batch size 1): centre on this sequence's own mean
-        y = y.reshape(-1, y.shape[-1]).double()
+        y = y.reshape(-1, y.shape[-1])
+        if len(self.key_samples) < self.keep:
+            self.key_samples.append(y.float().clone())
+        y = y.double()
         centred = y - y.mean(0, keepdim=True)
         outer = centred.T @ centred
         self.key_outer = outer if self.key_outer is None else self.key_outer + outer
         self.key_count += max(y.shape[0] - 1, 0)
 
-    def metrics(self) -> tuple[InputMetric, InputMetric]:
+    def result(self) -> LayerCalibration:
         mean = self.query_sum / self.query_count
         query_cov = self.query_outer / self.query_count - torch.outer(mean, mean)
         key_cov = self.key_outer / max(self.key_count, 1)
-        return InputMetric(query_cov, mean), InputMetric(key_cov, torch.zeros_like(mean[: key_cov.shape[0]]))
+        key_metric = InputMetric(key_cov, torch.zeros(key_cov.shape[0], dtype=key_cov.dtype))
+        return LayerCalibration(InputMetric(query_cov, mean), key_metric, self.query_samples, self.key_samples)
 
 
 def collect_statistics(
@@ -82,8 +99,10 @@ def collect_statistics(
     texts: list[str],
     max_length: int = 128,
     progress=None,
-) -> dict[str, tuple[InputMetric, InputMetric]]:
-    """Run the original model on `texts`; return (query metric, key metric) for each attention prefix."""
+    keep_samples: int = 0,
+) -> dict[str, LayerCalibration]:
+    """Run the original model on `texts`; return input statistics (and up to `keep_samples` raw sequences)
+    for each attention prefix."""
     from transformers import AutoModel, AutoTokenizer
 
     try:
@@ -93,7 +112,7 @@ def collect_statistics(
     model = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
     base = getattr(model, "base_model_prefix", None)
     wanted = {strip_prefix(p, base): p for p in prefixes}
-    moments = {p: _Moments() for p in prefixes}
+    moments = {p: _Moments(keep=keep_samples) for p in prefixes}
     handles = []
     for name, module in model.named_modules():
         prefix = wanted.get(strip_prefix(name, base))
@@ -127,7 +146,7 @@ def collect_statistics(
     missing = [p for p, m in moments.items() if m.query_count == 0 or m.key_outer is None]
     if missing:
         raise BadInputError(f"calibration never reached {missing[0]}")
-    return {p: m.metrics() for p, m in moments.items()}
+    return {p: m.result() for p, m in moments.items()}
 
 
 def _hook(*adders):

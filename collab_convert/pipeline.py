@@ -274,6 +274,10 @@ class CompressOptions(BaseModel):
     calibration: Path | None = None
     calibration_samples: int = Field(512, ge=1)
     calibration_max_length: int = Field(128, ge=2)
+    # With calibration: refine each layer against the original's attention distributions (KL), this many
+    # Adam steps on up to refine_samples calibration sequences. 0 turns refinement off.
+    refine_steps: int = Field(100, ge=0)
+    refine_samples: int = Field(256, ge=1)
     seed: int = 0
     max_iterations: int = Field(500, ge=0)
     tolerance: float = Field(1e-3, gt=0)
@@ -306,6 +310,8 @@ class LayerReport:
     relative_error: float
     # with calibration: the share of logit energy on the calibration inputs that the fit loses
     logit_error: float | None
+    # with refinement: mean KL of the heads' attention to the original's, before and after
+    refinement: dict[str, Any] | None
     per_head_truncation_error: float
     initialisation: str
     iterations: int
@@ -430,6 +436,13 @@ def compress(model: str, options: CompressOptions, progress: Progress = _no_prog
             metrics = collect_statistics(
                 loaded.folder, loaded.family, [layer.prefix for layer in loaded.layers], texts,
                 options.calibration_max_length, progress,
+                keep_samples=options.refine_samples if options.refine_steps and loaded.family.refinable else 0,
+            )
+            calibration["refinement"] = (
+                f"{options.refine_steps} Adam steps per layer on the attention KL over "
+                f"{min(options.refine_samples, len(texts))} sequences"
+                if options.refine_steps and loaded.family.refinable
+                else "off" if not options.refine_steps else f"not available for {loaded.family.name} (position bias or scaling)"
             )
         ranks = _layer_ranks(loaded, options, metrics)
         checked = _plan(loaded, model, options, ranks)
@@ -485,7 +498,7 @@ def _layer_ranks(loaded: LoadedModel, options: CompressOptions, metrics) -> dict
     for layer in loaded.layers:
         products = layer_products(read_projections(loaded, layer), layer)
         if metrics is not None:
-            products = whiten(products, *metrics[layer.prefix])
+            products = whiten(products, metrics[layer.prefix].query, metrics[layer.prefix].key)
         share = options.energy
         rank = max(
             energy_rank(torch.linalg.svdvals(query_side_matrix(products)), share),
@@ -566,7 +579,10 @@ def _fit_layer(loaded: LoadedModel, layer: AttentionLayer, options: CompressOpti
     if options.method == "reference-parafac":
         fit = fit_reference_parafac(products, rank, seed=options.seed)
     elif metric is not None:
-        fit, bias_correction = fit_calibrated(products, rank, *metric, options.max_iterations, options.tolerance)
+        # The ALS is cheap next to calibration, so calibrated fits run it to a tight tolerance.
+        fit, bias_correction = fit_calibrated(
+            products, rank, metric.query, metric.key, options.max_iterations, min(options.tolerance, 1e-5)
+        )
         logit_error = fit.relative_error
         fit.relative_error = relative_error(products, fit.factors)
     else:
@@ -574,12 +590,27 @@ def _fit_layer(loaded: LoadedModel, layer: AttentionLayer, options: CompressOpti
     query_bias = projections.query_bias
     dtype = projections.query_weight.dtype
     factors = fit.factors
+    bias = content_bias(projections.key_weight, query_bias, layer.shape.num_heads)
+    if bias_correction is not None:
+        bias = bias + bias_correction
+    refinement = None
+    if metric is not None and metric.query_samples and rank < layer.shape.key_dim:
+        from .refinement import refine_attention
+
+        site = loaded.family.site_of(layer.prefix)
+        refined = refine_attention(
+            metric.query_samples, metric.key_samples, projections.query_weight, query_bias,
+            projections.key_weight, factors, bias, layer.shape.num_heads, layer.shape.head_dim**-0.5,
+            causal=site.causal, steps=options.refine_steps,
+        )
+        factors, bias = refined.factors, refined.content_bias.to(bias.dtype)
+        refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps}
+        fit.relative_error = relative_error(products, factors)
     values = {
         "shared_query.weight": factors.shared_query.T,
         "shared_key.weight": factors.shared_key.T,
         "mixing": factors.mixing,
-        "content_bias": content_bias(projections.key_weight, query_bias, layer.shape.num_heads)
-        + (bias_correction if bias_correction is not None else 0.0),
+        "content_bias": bias,
     }
     tensors = {
         f"{layer.prefix}.{suffix}": values[suffix].to(dtype).contiguous() for suffix in COLLABORATIVE_TENSORS
@@ -595,6 +626,7 @@ def _fit_layer(loaded: LoadedModel, layer: AttentionLayer, options: CompressOpti
         input_dim=layer.shape.input_dim,
         relative_error=fit.relative_error,
         logit_error=logit_error,
+        refinement=refinement,
         per_head_truncation_error=_truncation_error(fit),
         initialisation=fit.initialisation,
         iterations=fit.iterations,
