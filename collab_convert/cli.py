@@ -159,7 +159,11 @@ def _parse_ranks(text: Optional[str]) -> Optional[list[int]]:
 @app.command()
 def compress(
     model: str = typer.Argument(None, help=MODEL_HELP, show_default=False),
-    rank: int = typer.Option(..., "--rank", "-r", help="Shared query/key dimension R for every attention layer."),
+    rank: str = typer.Option(..., "--rank", "-r", help="Shared query/key dimension R for every layer, or 'auto' (see --energy)."),
+    energy: float = typer.Option(0.95, "--energy", help="With --rank auto: share of (logit, with --calibration) energy each layer keeps."),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help="Text file (one example per line) or folder of .txt files: fit the logits on real inputs and refine against the original attention."),
+    calibration_samples: int = typer.Option(512, "--calibration-samples", help="Examples to read from --calibration at most."),
+    refine_steps: int = typer.Option(100, "--refine-steps", help="With --calibration: Adam steps per layer against the original attention (0: off)."),
     output: Path = typer.Option(..., "--output", "-o", help="Folder to write the collaborative checkpoint to."),
     seed: int = typer.Option(0, "--seed", help="Seed for anything random (the default fit has no random step)."),
     max_iterations: int = typer.Option(500, "--max-iterations", help="ALS iterations per layer at most."),
@@ -184,9 +188,18 @@ def compress(
     from .report import result_json
 
     _Quiet.quiet = quiet
+    if rank != "auto":
+        try:
+            rank = int(rank)
+        except ValueError:
+            raise typer.BadParameter(f"'{rank}' is neither an integer nor 'auto'", param_hint="--rank") from None
     try:
         options = CompressOptions(
             rank=rank,
+            energy=energy,
+            calibration=calibration,
+            calibration_samples=calibration_samples,
+            refine_steps=refine_steps,
             output=output,
             seed=seed,
             max_iterations=max_iterations,
@@ -216,7 +229,7 @@ def compress(
     if as_json:
         typer.echo(result_json(result).replace("\n", "").replace("  ", ""))
     else:
-        table = Table(title=f"Collaborative attention at rank {rank}: {result.model}")
+        table = Table(title=f"Collaborative attention ({'auto ranks' if rank == 'auto' else f'rank {rank}'}): {result.model}")
         for column in ("layer", "rank", "relative error", "per-head truncation", "Q/K params before", "after"):
             table.add_column(column, justify="left" if column == "layer" else "right")
         for layer in result.layers:
@@ -243,6 +256,43 @@ def compress(
         raise typer.Exit(1)
 
 
+@app.command()
+def verify(
+    model: str = typer.Argument(..., help="The compressed checkpoint (a folder)."),
+    against: str = typer.Option(..., "--against", help="The base model it came from."),
+    texts: Path = typer.Option(..., "--texts", help="Text file (one example per line) or folder of .txt files."),
+    samples: int = typer.Option(1000, "--samples", help="Examples to read at most."),
+    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Exit 1 if the mean cosine of final hidden states is below this."),
+    min_cosine_p01: Optional[float] = typer.Option(None, "--min-cosine-p01", help="Exit 1 if the 1st-percentile cosine is below this."),
+    min_top1: Optional[float] = typer.Option(None, "--min-top1", help="Language models: exit 1 if next-token top-1 agreement is below this."),
+    max_kl: Optional[float] = typer.Option(None, "--max-kl", help="Language models: exit 1 if the mean next-token KL exceeds this."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
+) -> None:
+    """Fidelity of a compressed checkpoint to its base on real text: cosine of final hidden states (mean and
+    1st percentile) and, for language models, next-token top-1 agreement and KL.
+
+    Next: put the thresholds that matter to you in your release pipeline (see docs/ci.md).
+    """
+    from .calibration import read_texts
+    from .fidelity import verify as run_verify
+
+    thresholds = {"min_cosine": min_cosine, "min_cosine_p01": min_cosine_p01, "min_top1": min_top1, "max_kl": max_kl}
+    result = run_verify(model, against, read_texts(texts, samples), thresholds)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict()))
+    else:
+        line = (
+            f"{result.texts} texts: cosine mean {result.cosine_mean:.4f}, 1st percentile {result.cosine_p01:.4f}, "
+            f"min {result.cosine_min:.4f}"
+        )
+        if result.top1_agreement is not None:
+            line += f"; next-token top-1 agreement {result.top1_agreement:.4f}, KL {result.kl_mean:.4f}"
+        stdout.print(line, highlight=False)
+    if result.failures:
+        _error("; ".join(result.failures))
+        raise typer.Exit(1)
+
+
 def _interrupted(signum, frame):
     raise KeyboardInterrupt
 
@@ -257,6 +307,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .errors import CollabError
 
     signal.signal(signal.SIGTERM, _interrupted)
+    _quiet_libraries()
     try:
         # Without standalone mode click returns a typer.Exit's code instead of exiting.
         code = app(args=argv, prog_name="collab-convert", standalone_mode=False)
@@ -289,6 +340,21 @@ def main(argv: Optional[list[str]] = None) -> int:
             _error("interrupted; nothing was written")
             return 130
         raise
+
+
+def _quiet_libraries() -> None:
+    """stderr is for our progress and our one-line errors: no loading bars or advice from transformers."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
 
 
 def _error(message: str) -> None:

@@ -43,3 +43,88 @@ def cosine_stats(reference: torch.Tensor, candidate: torch.Tensor) -> CosineStat
         minimum=float(cos.min()),
         count=int(cos.numel()),
     )
+
+
+@dataclass
+class VerifyResult:
+    """Fidelity of a compressed checkpoint to its base on real text."""
+
+    model: str
+    against: str
+    texts: int
+    cosine_mean: float
+    cosine_p01: float
+    cosine_min: float
+    # language models only: next-token top-1 agreement and mean KL(base || compressed), over real tokens
+    top1_agreement: float | None = None
+    kl_mean: float | None = None
+    failures: list[str] | None = None
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+@torch.no_grad()
+def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: int = 128) -> tuple[float, float]:
+    """Top-1 agreement and mean KL(base || model) of next-token distributions, one text at a time."""
+    agree, total, kl_sum = 0, 0, 0.0
+    for text in texts:
+        ids = tokenizer(text, truncation=True, max_length=max_length, return_tensors="pt")["input_ids"]
+        if ids.shape[1] < 2:
+            continue
+        p = torch.log_softmax(base(input_ids=ids).logits.float(), -1)[0]
+        q = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]
+        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+        kl_sum += float((p.exp() * (p - q)).sum())
+        total += p.shape[0]
+    return agree / max(total, 1), kl_sum / max(total, 1)
+
+
+def verify(model: str, against: str, texts: list[str], thresholds: dict[str, float] | None = None,
+           max_length: int = 128) -> VerifyResult:
+    """Load both checkpoints and compare them on `texts`; list every threshold that fails."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    from .checkpoint import resolve_model
+    from .errors import BadInputError
+    from .integration import register
+
+    register()
+    folder, base_folder = resolve_model(model), resolve_model(against)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as error:  # noqa: BLE001
+        raise BadInputError(f"{model} has no usable tokenizer: {error}") from None
+    config = AutoConfig.from_pretrained(base_folder)
+    causal = any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in (config.architectures or []))
+    base = AutoModel.from_pretrained(base_folder).eval()
+    compressed = AutoModel.from_pretrained(folder).eval()
+    cos = cosine_stats(
+        sentence_embeddings(base, tokenizer, texts, max_length=max_length),
+        sentence_embeddings(compressed, tokenizer, texts, max_length=max_length),
+    )
+    result = VerifyResult(model, against, len(texts), cos.mean, cos.p01, cos.minimum)
+    if causal:
+        result.top1_agreement, result.kl_mean = next_token_agreement(
+            AutoModelForCausalLM.from_pretrained(folder).eval(),
+            AutoModelForCausalLM.from_pretrained(base_folder).eval(),
+            tokenizer, texts, max_length,
+        )
+    checks = {
+        "min_cosine": ("cosine_mean", lambda v, t: v >= t),
+        "min_cosine_p01": ("cosine_p01", lambda v, t: v >= t),
+        "min_top1": ("top1_agreement", lambda v, t: v is not None and v >= t),
+        "max_kl": ("kl_mean", lambda v, t: v is not None and v <= t),
+    }
+    result.failures = []
+    for name, threshold in (thresholds or {}).items():
+        if threshold is None:
+            continue
+        field, passes = checks[name]
+        value = getattr(result, field)
+        if not passes(value, threshold):
+            shown = "n/a (not a language model)" if value is None else f"{value:.4f}"
+            result.failures.append(f"{field} {shown} fails --{name.replace('_', '-')} {threshold}")
+    return result

@@ -75,11 +75,25 @@ def save_tiny(folder: Path, model_class_name: str = "BertModel", seed: int = 0, 
             if name.endswith("bias"):
                 parameter.normal_(0, 0.5)
     model.save_pretrained(folder)
+    save_tiny_tokenizer(folder)
     # Non-weight files a real sentence-embedding checkpoint carries, to check they are copied.
     (folder / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "", "type": "x"}]))
     (folder / "1_Pooling").mkdir(exist_ok=True)
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
     return folder
+
+
+def save_tiny_tokenizer(folder: Path) -> None:
+    """A 120-entry WordPiece vocabulary: specials, letters, word pieces and a few whole words."""
+    from transformers import BertTokenizerFast
+
+    letters = list("abcdefghijklmnopqrstuvwxyz")
+    words = ["the", "a", "of", "and", "to", "in", "was", "on", "at", "his", "her", "it", "is", "for", "with"]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", ",", "?", "'", "-"] + letters
+    vocab += ["##" + c for c in letters] + words
+    vocab += [f"[unused{i}]" for i in range(120 - len(vocab))]
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
 
 
 @pytest.fixture
@@ -104,6 +118,13 @@ def folder_digest(folder: Path) -> str:
             digest.update(path.relative_to(folder).as_posix().encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+@pytest.fixture
+def calibration_file(tmp_path) -> Path:
+    path = tmp_path / "calibration.txt"
+    path.write_text("\n".join(SENTENCES) + "\n")
+    return path
 
 
 @pytest.fixture(scope="session")
