@@ -627,7 +627,8 @@ def _fit_layer(loaded: LoadedModel, layer: AttentionLayer, options: CompressOpti
         relative_error=fit.relative_error,
         logit_error=logit_error,
         refinement=refinement,
-        per_head_truncation_error=_truncation_error(fit),
+        # calibrated fits start from the truncation of the whitened products: not comparable, not shown
+        per_head_truncation_error=_truncation_error(fit) if metric is None else float("nan"),
         initialisation=fit.initialisation,
         iterations=fit.iterations,
         parameters_before=before.parameters,

@@ -46,6 +46,19 @@ def markdown_report(result: "CompressResult") -> str:
         f"({_percent(result.parameters_after, result.parameters_before)} of the original)",
         f"- mean relative error of the head products: {result.mean_relative_error:.4f}",
         f"- time: {result.seconds:.1f} s",
+    ]
+    if result.calibration:
+        lines += [
+            f"- calibration: {result.calibration['examples']} examples from {result.calibration['source']}; "
+            f"fitted to the {result.calibration['objective']}",
+            f"- refinement: {result.calibration.get('refinement', 'off')}",
+        ]
+        lines += ["", "| layer | logit error | attention KL before / after refinement |", "|---|---:|---:|"]
+        for layer in result.layers:
+            kl = layer.refinement
+            shown = f"{kl['kl_before']:.4f} / {kl['kl_after']:.4f}" if kl else "-"
+            lines.append(f"| {layer.name} | {layer.logit_error:.4f} | {shown} |")
+    lines += [
         "",
         "| layer | rank | relative error | per-head truncation | params before | params after | "
         + " | ".join(f"score MACs n={n} before/after" for n in SEQUENCE_LENGTHS)
