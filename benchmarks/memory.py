@@ -1,8 +1,10 @@
 """Peak memory of `compress` against checkpoint size, on GPT-2-medium-shaped bf16 checkpoints.
 
 Builds GPT-2 checkpoints (n_embd 1024, 16 heads, bf16, a small vocabulary) with 12 and 24 layers, saved in
-100 MB shards, then compresses each in a fresh process and reports the peak resident memory above that
-process's own baseline after its imports. Streaming means: one input shard mapped, one layer's math and
+100 MB shards, then compresses each in a fresh process and reports the peak resident memory (anonymous and
+file-backed, sampled every 2 ms) above that process's own baseline, taken after its imports and a warm-up
+compression of a one-layer model of the same width (one-time lazy loading of library code is not what
+grows with the model). Streaming means: one input shard mapped, one layer's math and
 one tensor in flight at a time, so the peak stays flat as the model grows.
 
     python benchmarks/memory.py
@@ -21,6 +23,11 @@ MEASURE = r"""
 import json, sys, threading, time
 import collab_convert, torch, matplotlib.pyplot  # imports are the baseline, not the work
 from pathlib import Path
+
+# Warm-up on a one-layer model of the same shape: lazily loaded library code (LAPACK, the safetensors
+# reader, matplotlib's renderer) and allocator arenas are paid once per process, whatever the model size.
+collab_convert.compress(sys.argv[4], collab_convert.CompressOptions(
+    rank=int(sys.argv[3]), output=Path(sys.argv[2] + "-warmup"), max_shard_size="100MB"))
 
 def rss():
     for line in open("/proc/self/status"):
@@ -50,7 +57,8 @@ def build(folder: Path, layers: int) -> int:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_embd=1024, n_layer=layers, n_head=16, n_positions=1024, vocab_size=1000)
+    config = GPT2Config(n_embd=1024, n_layer=layers, n_head=16, n_positions=1024, vocab_size=1000,
+                        bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config).to(torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="100MB")
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
@@ -63,13 +71,15 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{'layers':>6} {'checkpoint':>11} {'shards':>7} {'peak above baseline':>20} {'share':>7} {'seconds':>8}")
     with tempfile.TemporaryDirectory() as scratch:
+        warmup = Path(scratch) / "gpt2-warmup"
+        build(warmup, 1)
         for layers in [int(n) for n in args.layers.split(",")]:
             source = Path(scratch) / f"gpt2-{layers}"
             size = build(source, layers)
             shards = len(list(source.glob("*.safetensors")))
             output = Path(scratch) / f"out-{layers}"
             run = subprocess.run(
-                [sys.executable, "-c", MEASURE, str(source), str(output), str(args.rank)],
+                [sys.executable, "-c", MEASURE, str(source), str(output), str(args.rank), str(warmup)],
                 capture_output=True, text=True, check=True,
             )
             measured = json.loads(run.stdout.strip().splitlines()[-1])

@@ -118,3 +118,38 @@ def test_sizes_parse_like_humans_write_them():
     assert parse_size(1234) == 1234
     with pytest.raises(BadInputError):
         parse_size("lots")
+
+
+def test_hub_id_resolves_from_the_local_cache_offline(tiny_bert, tmp_path, monkeypatch):
+    import shutil
+
+    from collab_convert.checkpoint import resolve_model
+
+    # The layout huggingface_hub writes: models--ORG--NAME/{refs/main, snapshots/REVISION/...}
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "cache" / "models--acme--tiny-bert"
+    shutil.copytree(tiny_bert, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert resolve_model("acme/tiny-bert") == repo / "snapshots" / revision
+    result = compress("acme/tiny-bert", CompressOptions(rank=20, output=tmp_path / "out"))
+    assert result.model == "acme/tiny-bert"
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "base_model: acme/tiny-bert" in card
+
+
+def test_hub_id_not_in_the_cache_says_how_to_get_it(tmp_path, monkeypatch):
+    import huggingface_hub.constants as constants
+
+    from collab_convert.checkpoint import resolve_model
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(BadInputError, match="huggingface-cli download acme/missing"):
+        resolve_model("acme/missing")
