@@ -169,6 +169,7 @@ def compress(
     max_iterations: int = typer.Option(500, "--max-iterations", help="ALS iterations per layer at most."),
     tolerance: float = typer.Option(1e-3, "--tolerance", help="Stop when an iteration improves the error by less than this share."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors shard, e.g. 500MB."),
+    device: str = typer.Option("cpu", "--device", help="Run the decomposition on cpu or cuda[:N]."),
     method: str = typer.Option("tucker-cp-als", "--method", help="tucker-cp-als (ours) or reference-parafac (the paper's)."),
     max_error: Optional[float] = typer.Option(None, "--max-error", help="Exit 1 if any layer's relative error exceeds this."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists and is not empty."),
@@ -206,6 +207,7 @@ def compress(
             tolerance=tolerance,
             max_shard_size=max_shard_size,
             method=method,
+            device=device,
             overwrite=overwrite,
         )
     except ValidationError as error:
@@ -227,7 +229,7 @@ def compress(
     result = _run_with_progress(run_compress, model or DEFAULT_MODEL, options, show=not as_json)
     failed = [layer for layer in result.layers if max_error is not None and layer.relative_error > max_error]
     if as_json:
-        typer.echo(result_json(result).replace("\n", "").replace("  ", ""))
+        typer.echo(result_json(result, indent=None))
     else:
         table = Table(title=f"Collaborative attention ({'auto ranks' if rank == 'auto' else f'rank {rank}'}): {result.model}")
         for column in ("layer", "rank", "relative error", "per-head truncation", "Q/K params before", "after"):

@@ -285,7 +285,7 @@ def _solve(gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     """rhs @ gram^-1 for a symmetric PSD gram, with a whisper of ridge against exact singularity."""
     tiny = 1e-12 if gram.dtype == torch.float64 else 1e-7
     ridge = tiny * float(gram.diagonal().abs().max().clamp_min(1e-30))
-    eye = torch.eye(gram.shape[0], dtype=gram.dtype)
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     return torch.linalg.solve(gram + ridge * eye, rhs.T).T
 
 
@@ -313,6 +313,7 @@ def fit_collaborative(
     rank: int,
     max_iterations: int = 500,
     tolerance: float = 1e-3,
+    device: str | torch.device = "cpu",
 ) -> FitResult:
     """Rank-R collaborative factors of the stacked head products.
 
@@ -342,9 +343,9 @@ def fit_collaborative(
     if rank < products.full_rank and error > EXACT:
         # ALS runs in float32: its GEMMs dominate and halve in cost; the error it steers by is accurate to
         # ~1e-6 of ||T||, far below any error worth chasing. Everything around it stays float64.
-        als = _FactoredALS(core, ALS_DTYPE)
-        q, k = factors.shared_query.to(ALS_DTYPE), factors.shared_key.to(ALS_DTYPE)
-        m = factors.mixing.to(ALS_DTYPE)
+        # `device` moves only the ALS (the part that scales with rank and width); one code path for all.
+        als = _FactoredALS(core, ALS_DTYPE, device)
+        q, k, m = (t.to(device=device, dtype=ALS_DTYPE) for t in (factors.shared_query, factors.shared_key, factors.mixing))
         power = 3.0  # extrapolation step iteration^(1/power), grown more timid after each failed jump
         for iterations in range(1, max_iterations + 1):
             q_prev, k_prev = q, k
@@ -365,7 +366,7 @@ def fit_collaborative(
             error = new_error
             if improvement < tolerance * error or error < EXACT:
                 break
-        factors = CollaborativeFactors(q.to(COMPUTE_DTYPE), k.to(COMPUTE_DTYPE), m.to(COMPUTE_DTYPE))
+        factors = CollaborativeFactors(*(t.to(device="cpu", dtype=COMPUTE_DTYPE) for t in (q, k, m)))
 
     back = CollaborativeFactors(
         subspaces.query_basis @ factors.shared_query,
@@ -387,9 +388,9 @@ def fit_collaborative(
 class _FactoredALS:
     """CP-ALS steps on a factored core; each contraction is one GEMM over the stacked heads."""
 
-    def __init__(self, core: HeadProducts, dtype: torch.dtype):
+    def __init__(self, core: HeadProducts, dtype: torch.dtype, device: str | torch.device = "cpu"):
         self.norm = core.squared_norm()
-        core = HeadProducts(core.query_heads.to(dtype), core.key_heads.to(dtype))
+        core = HeadProducts(core.query_heads.to(device=device, dtype=dtype), core.key_heads.to(device=device, dtype=dtype))
         self.core = core
         self.query_cat = core.query_heads.reshape(-1, core.query_heads.shape[2]).T  # (r_q, N_h d_k)
         self.key_cat = core.key_heads.reshape(-1, core.key_heads.shape[2]).T
@@ -495,6 +496,7 @@ def fit_calibrated(
     max_iterations: int = 500,
     tolerance: float = 1e-3,
     ridge: float = 1e-3,
+    device: str | torch.device = "cpu",
 ) -> tuple[FitResult, torch.Tensor]:
     """Fit the collaborative factors to the logits on real inputs rather than to the raw products.
 
@@ -507,7 +509,7 @@ def fit_calibrated(
     absorbs exactly: that correction is returned (N_h x D_in) for the caller to add to the content bias.
     """
     whitened, (query_inverse, key_inverse) = whiten(products, query_metric, key_metric, ridge, inverses=True)
-    fit = fit_collaborative(whitened, rank, max_iterations, tolerance)
+    fit = fit_collaborative(whitened, rank, max_iterations, tolerance, device)
     factors = CollaborativeFactors(
         query_inverse @ fit.factors.shared_query, key_inverse @ fit.factors.shared_key, fit.factors.mixing
     ).balanced()

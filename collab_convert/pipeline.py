@@ -284,6 +284,15 @@ class CompressOptions(BaseModel):
     max_shard_size: int | str = "5GB"
     overwrite: bool = False
     method: str = "tucker-cp-als"
+    # Where the ALS runs: "cpu", "cuda" or "cuda:N". Reading, writing and the small SVDs stay on the CPU.
+    device: str = "cpu"
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if value != "cpu" and not value.startswith("cuda"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {value!r}")
+        return value
 
     @field_validator("method")
     @classmethod
@@ -389,6 +398,8 @@ def _plan(loaded: LoadedModel, model: str, options: CompressOptions, ranks: dict
     parse_size(options.max_shard_size)
     output = options.output.expanduser().resolve()
     _check_output(output, loaded.folder, options.overwrite)
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        raise BadInputError(f"--device {options.device} was asked for, but torch sees no CUDA device here")
     if options.calibration is not None and options.method != "tucker-cp-als":
         raise BadInputError("--calibration works with the tucker-cp-als method only")
     layers = []
@@ -581,12 +592,13 @@ def _fit_layer(loaded: LoadedModel, layer: AttentionLayer, options: CompressOpti
     elif metric is not None:
         # The ALS is cheap next to calibration, so calibrated fits run it to a tight tolerance.
         fit, bias_correction = fit_calibrated(
-            products, rank, metric.query, metric.key, options.max_iterations, min(options.tolerance, 1e-5)
+            products, rank, metric.query, metric.key, options.max_iterations, min(options.tolerance, 1e-5),
+            device=options.device,
         )
         logit_error = fit.relative_error
         fit.relative_error = relative_error(products, fit.factors)
     else:
-        fit = fit_collaborative(products, rank, options.max_iterations, options.tolerance)
+        fit = fit_collaborative(products, rank, options.max_iterations, options.tolerance, options.device)
     query_bias = projections.query_bias
     dtype = projections.query_weight.dtype
     factors = fit.factors

@@ -26,8 +26,8 @@ def _json_safe(value):
     return value
 
 
-def result_json(result: "CompressResult") -> str:
-    return json.dumps(_json_safe(result.to_dict()), indent=2)
+def result_json(result: "CompressResult", indent: int | None = 2) -> str:
+    return json.dumps(_json_safe(result.to_dict()), indent=indent)
 
 
 def write_reports(result: "CompressResult", folder: Path) -> list[str]:

@@ -128,3 +128,14 @@ def test_compress_writes_plots(tiny_bert, tmp_path):
     assert result.exit_code == 0, result.output
     for name in ("spectra.png", "errors.png"):
         assert (tmp_path / "o" / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_device_cpu_is_the_same_code_path_and_missing_cuda_is_a_clear_error(tiny_bert, tmp_path, capsys):
+    import torch
+
+    assert main(["compress", str(tiny_bert), "--rank", "24", "-o", str(tmp_path / "cpu"), "--device", "cpu", "-q"]) == 0
+    if not torch.cuda.is_available():
+        assert main(["compress", str(tiny_bert), "--rank", "24", "-o", str(tmp_path / "gpu"), "--device", "cuda"]) == 3
+        assert "no CUDA device" in capsys.readouterr().err
+        assert not (tmp_path / "gpu").exists()
+    assert main(["compress", str(tiny_bert), "--rank", "24", "-o", str(tmp_path / "x"), "--device", "tpu"]) == 2
