@@ -36,15 +36,12 @@ class Sentence:
     text: str
     genre: str
     document: str
-    words: list[str]
-    tags: list[str]  # coarse part-of-speech tags: Brown's tag before any "-tl"/"-hl"/"$" marks
 
 
 def _detokenize(words: list[str]) -> str:
-    text = " ".join(words)
+    text = " ".join(words).replace("`` ", '"').replace(" ''", '"')
     text = re.sub(r" ([.,;:!?')])", r"\1", text)
-    text = re.sub(r"([(]) ", r"\1", text)
-    return text.replace("`` ", '"').replace(" ''", '"')
+    return re.sub(r"([(]) ", r"\1", text)
 
 
 def sentences(min_words: int = 6, max_words: int = 60) -> list[Sentence]:
@@ -57,15 +54,9 @@ def sentences(min_words: int = 6, max_words: int = 60) -> list[Sentence]:
             if not tokens:
                 continue
             words = [t.rsplit("/", 1)[0] for t in tokens]
-            tags = [_coarse(t.rsplit("/", 1)[-1]) for t in tokens]
             if min_words <= len(words) <= max_words:
-                result.append(Sentence(_detokenize(words), genre, document, words, tags))
+                result.append(Sentence(_detokenize(words), genre, document))
     return result
-
-
-def _coarse(tag: str) -> str:
-    tag = tag.lower().split("-")[0].split("+")[0].rstrip("$*")
-    return tag or "punct"
 
 
 def split(items: list[Sentence], every: int = 4) -> tuple[list[Sentence], list[Sentence]]:

@@ -7,11 +7,8 @@ is opened only with torch.load(weights_only=True).
 from __future__ import annotations
 
 import json
-import math
-import os
 import re
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -189,12 +186,6 @@ class TensorReader:
         tensor = self._load_bin(file)[key]
         return TensorSpec(name, tensor.dtype, tuple(tensor.shape))
 
-    def metadata(self) -> dict[str, str]:
-        first = next(iter(self._location.values()), None)
-        if first is not None and first.suffix == ".safetensors":
-            return dict(self._handle(first).metadata() or {})
-        return {}
-
     def release_all_but(self, name: str) -> None:
         """Unmap every safetensors shard except the one holding `name`: reading shard by shard, the pages
         of finished shards leave the process instead of piling up in its resident memory."""
@@ -367,21 +358,3 @@ def readme_front_matter(folder: Path) -> dict[str, Any]:
         return data if isinstance(data, dict) else {}
     except Exception:  # noqa: BLE001 - a broken card must not stop a conversion
         return {}
-
-
-def file_size(folder: Path, names: list[str]) -> int:
-    return sum((folder / n).stat().st_size for n in names if (folder / n).is_file())
-
-
-def human_bytes(count: float) -> str:
-    if count <= 0:
-        return "0 B"
-    units = ["B", "KB", "MB", "GB", "TB"]
-    power = min(int(math.log(count, 1000)), len(units) - 1)
-    return f"{count / 1000**power:.1f} {units[power]}"
-
-
-def walk_files(folder: Path) -> Iterator[Path]:
-    for root, _, files in os.walk(folder):
-        for name in files:
-            yield Path(root) / name

@@ -447,11 +447,11 @@ def fit_reference_parafac(products: HeadProducts, rank: int, seed: int = 0, tole
 
     tl.set_backend("pytorch")
     dense = products.dense()
-    cp = parafac(dense, rank, init="random", tol=tolerance, random_state=seed)
+    cp, errors = parafac(dense, rank, init="random", tol=tolerance, random_state=seed, return_errors=True)
     weights, (mixing, shared_query, shared_key) = cp
     factors = CollaborativeFactors(shared_query, shared_key, mixing * weights[None, :]).balanced()
     error = relative_error(products, factors)
-    return FitResult(factors, error, float("nan"), "random (reference)", 100, [error])
+    return FitResult(factors, error, float("nan"), "random (reference)", len(errors), [error])
 
 
 # ----------------------------------------------------------------------------------------------------------
