@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from .errors import UnsupportedModelError
@@ -40,6 +41,9 @@ class Family:
     forward: str | None = None
     # Config values the collaborative form cannot reproduce, as (key, allowed values, reason).
     requires: tuple[tuple[str, tuple, str], ...] = ()
+    # Grouped-query attention: how many key/value heads a config has (None: one per query head). The heads of
+    # a group share their key, so T[i] = W_Q^(i)^T W_K^(g(i)).
+    kv_heads: Callable[[dict[str, Any]], int] | None = None
     # Scores are exactly softmax(q.k / sqrt(d_k)) plus masks, so calibration can refine them against the
     # original's attention (families with position biases or other scalings are fitted, not refined).
     refinable: bool = True
@@ -49,6 +53,9 @@ class Family:
             if re.search(site.pattern, module_name):
                 return site
         return None
+
+    def num_kv_heads(self, config: dict[str, Any], site: Site) -> int:
+        return self.kv_heads(config) if self.kv_heads else self.num_heads(config, site)
 
     def num_heads(self, config: dict[str, Any], site: Site) -> int:
         value = config.get(site.num_heads_key)
@@ -115,6 +122,21 @@ FAMILIES: tuple[Family, ...] = (
             ("add_cross_attention", (None, False), "its cross-attention fuses keys with values differently"),
         ),
         refinable=False,  # scale_attn_weights / scale_attn_by_inverse_layer_idx change the score scale
+    ),
+    Family(
+        # Multi-query attention: every query head reads one shared key/value head.
+        name="gpt_bigcode",
+        model_types=("gpt_bigcode",),
+        sites=(Site(r"(^|\.)h\.\d+\.attn$", "n_head", causal=True),),
+        fused="c_attn",
+        fused_layout="linear",
+        forward="gpt_bigcode",
+        kv_heads=lambda config: 1,
+        requires=(
+            ("multi_query", (None, True), "its multi-head variant interleaves q/k/v per head in c_attn"),
+            ("add_cross_attention", (None, False), "its cross-attention splits keys and values differently"),
+        ),
+        refinable=False,  # scale_attn_weights changes the score scale
     ),
     Family(
         name="opt",

@@ -148,9 +148,17 @@ def collaborative_attention(module, query, key, value, attention_mask, **kwargs)
     if not getattr(module, "is_collaborative", False):
         return _real_attention_function(module)(module, query, key, value, attention_mask, **kwargs)
     queries, keys = unpack_pseudo_heads(module, query, key)
+    groups = getattr(module, "num_key_value_groups", 1)
     if value.shape[1] != queries.shape[1]:  # grouped values: the keys are per head already
         value = value.repeat_interleave(queries.shape[1] // value.shape[1], dim=1)
-    return _real_attention_function(module)(module, queries, keys, value, attention_mask, **kwargs)
+    if groups == 1:
+        return _real_attention_function(module)(module, queries, keys, value, attention_mask, **kwargs)
+    # Keys and values now have one head per query head; the real function must not group them again.
+    module.num_key_value_groups = 1
+    try:
+        return _real_attention_function(module)(module, queries, keys, value, attention_mask, **kwargs)
+    finally:
+        module.num_key_value_groups = groups
 
 
 def mpnet_forward(self, hidden_states, attention_mask=None, position_bias=None, output_attentions=False, **kwargs):
@@ -199,7 +207,38 @@ def opt_forward(self, hidden_states, cache=None, attention_mask=None, output_att
     return self.out_proj(output.reshape(batch, length, -1).contiguous()), weights
 
 
-FORWARDS: dict[str, Callable] = {"mpnet": mpnet_forward, "opt": opt_forward}
+def gpt_bigcode_forward(self, hidden_states, layer_past=None, attention_mask=None, **kwargs):
+    """GPTBigCodeAttention.forward (transformers 5, multi-query self-attention), whose c_attn split names
+    its widths, with collaborative queries and keys. Values keep their single shared head."""
+    if layer_past is None:
+        layer_past = kwargs.pop("past_key_values", None) or kwargs.pop("cache", None)
+    for unused in ("encoder_hidden_states", "encoder_attention_mask", "use_cache", "output_attentions"):
+        kwargs.pop(unused, None)
+    input_shape = hidden_states.shape[:-1]
+    pseudo = (*input_shape, -1, self.head_dim)
+    queries = self.collaborative_query(hidden_states).view(pseudo).transpose(1, 2)
+    keys = self.collaborative_key(hidden_states).view(pseudo).transpose(1, 2)
+    values = self.value_projection(hidden_states).unsqueeze(1)  # (B, 1, n, d): one value head
+    if layer_past is not None:
+        from transformers.cache_utils import EncoderDecoderCache
+
+        cache = layer_past.self_attention_cache if isinstance(layer_past, EncoderDecoderCache) else layer_past
+        keys, values = cache.update(keys, values, self.layer_idx, kwargs=kwargs)
+    output, weights = collaborative_attention(
+        self,
+        queries,
+        keys,
+        values,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attn_dropout,
+        scaling=self.scaling,
+        **kwargs,
+    )
+    output = self.c_proj(output.reshape(*input_shape, -1).contiguous())
+    return self.resid_dropout(output), weights
+
+
+FORWARDS: dict[str, Callable] = {"mpnet": mpnet_forward, "opt": opt_forward, "gpt_bigcode": gpt_bigcode_forward}
 
 
 def register_attention_function() -> None:
@@ -232,24 +271,23 @@ def _collaborative_class(original: type, family) -> type:
     return _CLASS_CACHE[cache_key]
 
 
-def _projection_shape(module: nn.Module, family) -> tuple[int, int, torch.Tensor]:
-    """(D_in, query width, a weight for device and dtype) of the projections about to be replaced."""
-    if family.fused:
+def _projection_shape(module: nn.Module, family, num_heads: int, kv_heads: int) -> tuple[int, int, torch.Tensor]:
+    """(D_in, head size, a weight for device and dtype) of the projections about to be replaced."""
+    if family.fused:  # [queries (N_h d) | keys (N_kv d) | values (N_kv d)]
         fused = getattr(module, family.fused)
-        if family.fused_layout == "conv1d":
-            return fused.weight.shape[0], fused.weight.shape[1] // 3, fused.weight
-        return fused.in_features, fused.out_features // 3, fused.weight
+        d_in, width = fused.weight.shape if family.fused_layout == "conv1d" else fused.weight.shape[::-1]
+        return d_in, width // (num_heads + 2 * kv_heads), fused.weight
     query = getattr(module, family.query)
-    return query.in_features, query.out_features, query.weight
+    return query.in_features, query.out_features // num_heads, query.weight
 
 
-def make_collaborative(module: nn.Module, family, rank: int, num_heads: int) -> nn.Module:
+def make_collaborative(module: nn.Module, family, rank: int, num_heads: int, kv_heads: int | None = None) -> nn.Module:
     """Turn one attention module into its collaborative form, in place, with uninitialised parameters."""
-    d_in, query_width, weight = _projection_shape(module, family)
-    head_dim = query_width // num_heads
+    kv_heads = kv_heads or num_heads
+    d_in, head_dim, weight = _projection_shape(module, family, num_heads, kv_heads)
     device, dtype = weight.device, weight.dtype
     if family.fused:
-        value_width = query_width  # the fused projections of supported families split evenly
+        value_width = kv_heads * head_dim
         if family.fused_layout == "conv1d":
             from transformers.pytorch_utils import Conv1D
 
@@ -294,7 +332,7 @@ def collaborate_model(model: nn.Module, family, layers: dict[str, dict[str, Any]
         spec = wanted.get(strip_prefix(name, base_prefix))
         if spec is None or getattr(module, "is_collaborative", False):
             continue
-        make_collaborative(module, family, int(spec["rank"]), int(spec["num_heads"]))
+        make_collaborative(module, family, int(spec["rank"]), int(spec["num_heads"]), spec.get("kv_heads"))
         converted.append(name)
     if len(converted) != len(wanted):
         missing = sorted(set(wanted) - {strip_prefix(n, base_prefix) for n in converted})

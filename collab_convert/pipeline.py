@@ -71,6 +71,11 @@ class AttentionLayer:
     anchor: str  # the tensor whose place in the file the collaborative tensors take
     replaced: list[str]  # tensors the collaborative form removes
     has_query_bias: bool
+    kv_heads: int  # key/value heads: fewer than the query heads under grouped-query attention
+
+    @property
+    def key_rows(self) -> int:
+        return self.kv_heads * self.shape.head_dim
 
 
 @dataclass
@@ -118,12 +123,14 @@ def find_attention_layers(reader: TensorReader, family: Family, config: dict[str
         if site is None:
             continue
         num_heads = family.num_heads(config, site)
+        kv_heads = family.num_kv_heads(config, site)
         bias = lambda n: [n] if n in reader else []  # noqa: E731
         if family.fused:
             replaced = [name, *bias(f"{prefix}.{family.fused}.bias")]
             weight = reader.get(name)
             d_in, width = (weight.shape[0], weight.shape[1]) if family.fused_layout == "conv1d" else weight.shape[::-1]
-            query_width = width // 3
+            # [queries (N_h d_k) | keys (N_kv d_k) | values (N_kv d_k)]
+            query_width = num_heads * (width // (num_heads + 2 * kv_heads))
         else:
             key_weight = f"{prefix}.{family.key}.weight"
             if key_weight not in reader:
@@ -133,6 +140,7 @@ def find_attention_layers(reader: TensorReader, family: Family, config: dict[str
             ]
             weight = reader.get(name)
             query_width, d_in = weight.shape if weight.ndim == 2 else (0, 0)
+            kv_heads = num_heads  # separate projections: one key head per query head
         if weight.ndim != 2 or query_width == 0 or query_width % num_heads:
             raise BadInputError(f"{name} has shape {tuple(weight.shape)}, which does not split into {num_heads} heads")
         layers.append(
@@ -142,6 +150,7 @@ def find_attention_layers(reader: TensorReader, family: Family, config: dict[str
                 anchor=name,
                 replaced=replaced,
                 has_query_bias=f"{prefix}.{family.fused or family.query}.bias" in reader,
+                kv_heads=kv_heads,
             )
         )
     return sorted(layers, key=lambda layer: _natural_key(layer.prefix))
@@ -160,19 +169,28 @@ def read_projections(loaded: "LoadedModel", layer: AttentionLayer) -> Projection
     conv1d = family.fused_layout == "conv1d"
     weight = _finite(reader, layer.anchor)
     linear = weight.T if conv1d else weight  # (3 widths, D_in)
-    width = layer.shape.key_dim
+    width, key_end = layer.shape.key_dim, layer.shape.key_dim + layer.key_rows
     bias_name = f"{layer.prefix}.{family.fused}.bias"
     bias = _finite(reader, bias_name) if bias_name in reader else None
-    value = linear[2 * width :]
+    value = linear[key_end:]
     kept = {f"{layer.prefix}.{FUSED_VALUE}.weight": (value.T if conv1d else value).contiguous()}
     if bias is not None:
-        kept[f"{layer.prefix}.{FUSED_VALUE}.bias"] = bias[2 * width :].contiguous()
+        kept[f"{layer.prefix}.{FUSED_VALUE}.bias"] = bias[key_end:].contiguous()
     return Projections(
         query_weight=linear[:width],
-        key_weight=linear[width : 2 * width],
+        key_weight=_per_query_head(linear[width:key_end], layer),
         query_bias=bias[:width] if bias is not None else None,
         kept=kept,
     )
+
+
+def _per_query_head(key_weight: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+    """Grouped keys repeated so that row block i is the key of query head i."""
+    if layer.kv_heads == layer.shape.num_heads:
+        return key_weight
+    groups = layer.shape.num_heads // layer.kv_heads
+    blocks = key_weight.reshape(layer.kv_heads, layer.shape.head_dim, -1)
+    return blocks.repeat_interleave(groups, dim=0).reshape(layer.shape.key_dim, -1)
 
 
 def _natural_key(text: str) -> list:
@@ -568,16 +586,17 @@ def _collaborative_specs(loaded: LoadedModel, layer: AttentionLayer, rank: int) 
     }
     specs = [TensorSpec(f"{layer.prefix}.{suffix}", anchor.dtype, shapes[suffix]) for suffix in COLLABORATIVE_TENSORS]
     if family.fused:  # the value third of the fused projection stays, in the fused layout
+        used = layer.shape.key_dim + layer.key_rows  # query and key rows; the rest are values
         if family.fused_layout == "conv1d":
-            value_shape = (anchor.shape[0], anchor.shape[1] - 2 * layer.shape.key_dim)
+            value_shape = (anchor.shape[0], anchor.shape[1] - used)
         else:
-            value_shape = (anchor.shape[0] - 2 * layer.shape.key_dim, anchor.shape[1])
+            value_shape = (anchor.shape[0] - used, anchor.shape[1])
         specs.append(TensorSpec(f"{layer.prefix}.{FUSED_VALUE}.weight", anchor.dtype, value_shape))
         bias = f"{layer.prefix}.{family.fused}.bias"
         if bias in loaded.reader:
             bias_spec = loaded.reader.spec(bias)
             specs.append(
-                TensorSpec(f"{layer.prefix}.{FUSED_VALUE}.bias", bias_spec.dtype, (bias_spec.shape[0] - 2 * layer.shape.key_dim,))
+                TensorSpec(f"{layer.prefix}.{FUSED_VALUE}.bias", bias_spec.dtype, (bias_spec.shape[0] - used,))
             )
     return specs
 
@@ -668,13 +687,17 @@ def _truncation_error(fit) -> float:
 
 def _write_config(loaded: LoadedModel, reports: list[LayerReport], staging: Path, method: str) -> None:
     config = dict(loaded.config)  # architectures and model_type stay as they are
+    kv = {layer.prefix: layer.kv_heads for layer in loaded.layers}
     config["quantization_config"] = {
         "quant_method": QUANT_METHOD,
         "format_version": FORMAT_VERSION,
         "tool_version": __version__,
         "method": method,
         "family": loaded.family.name,
-        "layers": {r.name: {"rank": r.rank, "num_heads": r.num_heads} for r in reports},
+        "layers": {
+            r.name: {"rank": r.rank, "num_heads": r.num_heads, **({"kv_heads": kv[r.name]} if kv[r.name] != r.num_heads else {})}
+            for r in reports
+        },
     }
     (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 

@@ -46,6 +46,9 @@ CASES = [
                                       intermediate_size=64, image_size=16, patch_size=8), T.AutoModel, 4, 8, "vision"),
     Case("gpt2", lambda: T.GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=40,
                                       bos_token_id=0, eos_token_id=0), T.AutoModelForCausalLM, 4, 8, "causal"),
+    Case("gpt_bigcode", lambda: T.GPTBigCodeConfig(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=40,
+                                                    multi_query=True, bos_token_id=0, eos_token_id=0),
+         T.AutoModelForCausalLM, 4, 8, "causal"),
     Case("opt", lambda: T.OPTConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                     ffn_dim=64, max_position_embeddings=40, word_embed_proj_dim=32, bos_token_id=0,
                                     eos_token_id=0, pad_token_id=1), T.AutoModelForCausalLM, 4, 8, "causal"),
@@ -140,6 +143,18 @@ def test_decoder_cache_holds_the_shared_key(tmp_path):
     # the shared key (R) and one content-bias score per head, padded to whole head-size chunks
     assert per_token == 8 * -(-(rank + 4) // 8) < 4 * 8 * 2
     assert per_token < case.heads * case.head_dim
+
+
+def test_multi_query_layout_is_recorded(tmp_path):
+    # GPTBigCode (multi-query): four query heads read one key/value head, T[i] = W_Q^(i)^T W_K. The checkpoint
+    # records both head counts so the loader rebuilds the module with one value head.
+    import json
+
+    case = next(c for c in CASES if c.name == "gpt_bigcode")
+    build(case, tmp_path / "model")
+    compress(str(tmp_path / "model"), CompressOptions(rank=16, output=tmp_path / "out"))
+    layers = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["layers"]
+    assert all(spec["num_heads"] == 4 and spec["kv_heads"] == 1 for spec in layers.values())
 
 
 def test_albert_shared_attention_is_decomposed_once(tmp_path):
