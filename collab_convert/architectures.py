@@ -9,8 +9,8 @@ family is one entry in FAMILIES and a test.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import UnsupportedModelError

@@ -12,8 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 from transformers import AutoConfig, AutoModel
-from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
-from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+from transformers.quantizers import (
+    HfQuantizer,
+    register_quantization_config,
+    register_quantizer,
+)
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+)
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .architectures import FAMILIES

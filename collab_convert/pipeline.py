@@ -12,19 +12,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from . import __version__
 from .architectures import Family, family_for
 from .checkpoint import (
     ShardWriter,
-    TensorSpec,
     TensorReader,
+    TensorSpec,
     copy_non_weight_files,
     parse_size,
     read_config,
@@ -35,12 +33,12 @@ from .decomposition import (
     HeadProducts,
     content_bias,
     energy_rank,
-    fit_collaborative,
     fit_calibrated,
+    fit_collaborative,
     fit_reference_parafac,
     key_side_matrix,
-    relative_error,
     query_side_matrix,
+    relative_error,
     spectra,
 )
 from .errors import BadInputError, OutputExistsError
@@ -450,7 +448,7 @@ def compress(model: str, options: CompressOptions, progress: Progress = _no_prog
     loaded = open_model(model)
     staging = None
     try:
-        checked = _plan(loaded, model, options)
+        _plan(loaded, model, options)  # refuse bad input before the costly calibration
         metrics, calibration = None, None
         if options.calibration is not None:
             from .calibration import collect_statistics, read_texts
