@@ -78,6 +78,14 @@ class CollaborativeMixin:
         packed = torch.cat([shared, bias], dim=-1)
         return nn.functional.pad(packed, (0, self._key_width - packed.shape[-1]))
 
+    def pseudo_heads(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shared query and packed shared key as (B, pseudo-heads, n, head_dim), for forwards of our own."""
+        shape = (*hidden_states.shape[:-1], -1, self.collaborative_head_dim)
+        return (
+            self.collaborative_query(hidden_states).view(shape).transpose(1, 2),
+            self.collaborative_key(hidden_states).view(shape).transpose(1, 2),
+        )
+
     def collaborative_fused(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Stands in for a fused query/key/value projection: [shared query | packed shared key | values].
 
@@ -164,12 +172,7 @@ def collaborative_attention(module, query, key, value, attention_mask, **kwargs)
 def mpnet_forward(self, hidden_states, attention_mask=None, position_bias=None, output_attentions=False, **kwargs):
     """MPNetSelfAttention.forward (transformers 5), which scores inline, with collaborative queries and keys."""
     input_shape = hidden_states.shape[:-1]
-    pseudo = (*input_shape, -1, self.attention_head_size)
-    queries, keys = unpack_pseudo_heads(
-        self,
-        self.collaborative_query(hidden_states).view(pseudo).transpose(1, 2),
-        self.collaborative_key(hidden_states).view(pseudo).transpose(1, 2),
-    )
+    queries, keys = unpack_pseudo_heads(self, *self.pseudo_heads(hidden_states))
     values = self.v(hidden_states).view(*input_shape, -1, self.attention_head_size).transpose(1, 2)
     scores = torch.matmul(queries, keys.transpose(-1, -2)) / math.sqrt(self.attention_head_size)
     if position_bias is not None:
@@ -188,10 +191,8 @@ def opt_forward(self, hidden_states, cache=None, attention_mask=None, output_att
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
     batch, length, _ = hidden_states.size()
-    pseudo = (batch, length, -1, self.head_dim)
-    queries = self.collaborative_query(hidden_states).view(pseudo).transpose(1, 2)
-    keys = self.collaborative_key(hidden_states).view(pseudo).transpose(1, 2)
-    values = self.v_proj(hidden_states).view(pseudo).transpose(1, 2)
+    queries, keys = self.pseudo_heads(hidden_states)
+    values = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
     if cache is not None:
         keys, values = cache.update(keys, values, self.layer_idx, kwargs=kwargs)
     output, weights = collaborative_attention(
@@ -215,9 +216,7 @@ def gpt_bigcode_forward(self, hidden_states, layer_past=None, attention_mask=Non
     for unused in ("encoder_hidden_states", "encoder_attention_mask", "use_cache", "output_attentions"):
         kwargs.pop(unused, None)
     input_shape = hidden_states.shape[:-1]
-    pseudo = (*input_shape, -1, self.head_dim)
-    queries = self.collaborative_query(hidden_states).view(pseudo).transpose(1, 2)
-    keys = self.collaborative_key(hidden_states).view(pseudo).transpose(1, 2)
+    queries, keys = self.pseudo_heads(hidden_states)
     values = self.value_projection(hidden_states).unsqueeze(1)  # (B, 1, n, d): one value head
     if layer_past is not None:
         from transformers.cache_utils import EncoderDecoderCache
