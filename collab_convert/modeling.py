@@ -156,15 +156,16 @@ def collaborative_attention(module, query, key, value, attention_mask, **kwargs)
     if not getattr(module, "is_collaborative", False):
         return _real_attention_function(module)(module, query, key, value, attention_mask, **kwargs)
     queries, keys = unpack_pseudo_heads(module, query, key)
-    groups = getattr(module, "num_key_value_groups", 1)
+    attend = _real_attention_function(module)
     if value.shape[1] != queries.shape[1]:  # grouped values: the keys are per head already
         value = value.repeat_interleave(queries.shape[1] // value.shape[1], dim=1)
+    groups = getattr(module, "num_key_value_groups", 1)
     if groups == 1:
-        return _real_attention_function(module)(module, queries, keys, value, attention_mask, **kwargs)
+        return attend(module, queries, keys, value, attention_mask, **kwargs)
     # Keys and values now have one head per query head; the real function must not group them again.
     module.num_key_value_groups = 1
     try:
-        return _real_attention_function(module)(module, queries, keys, value, attention_mask, **kwargs)
+        return attend(module, queries, keys, value, attention_mask, **kwargs)
     finally:
         module.num_key_value_groups = groups
 
@@ -246,7 +247,7 @@ def register_attention_function() -> None:
     AttentionInterface.register(ATTENTION_NAME, collaborative_attention)
 
 
-_CLASS_CACHE: dict[tuple[type, str, str], type] = {}
+_CLASS_CACHE: dict[tuple[type, str], type] = {}
 
 
 def _collaborative_class(original: type, family) -> type:

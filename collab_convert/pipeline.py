@@ -123,10 +123,13 @@ def find_attention_layers(reader: TensorReader, family: Family, config: dict[str
         num_heads = family.num_heads(config, site)
         kv_heads = family.num_kv_heads(config, site)
         bias = lambda n: [n] if n in reader else []  # noqa: E731
+        # Shapes come from the file header: nothing is loaded until the layer is fitted.
+        shape = reader.spec(name).shape
+        if len(shape) != 2:
+            raise BadInputError(f"{name} has shape {shape}, which does not split into {num_heads} heads")
         if family.fused:
             replaced = [name, *bias(f"{prefix}.{family.fused}.bias")]
-            weight = reader.get(name)
-            d_in, width = (weight.shape[0], weight.shape[1]) if family.fused_layout == "conv1d" else weight.shape[::-1]
+            d_in, width = shape if family.fused_layout == "conv1d" else shape[::-1]
             # [queries (N_h d_k) | keys (N_kv d_k) | values (N_kv d_k)]
             query_width = num_heads * (width // (num_heads + 2 * kv_heads))
         else:
@@ -136,11 +139,10 @@ def find_attention_layers(reader: TensorReader, family: Family, config: dict[str
             replaced = [
                 name, key_weight, *bias(f"{prefix}.{family.query}.bias"), *bias(f"{prefix}.{family.key}.bias")
             ]
-            weight = reader.get(name)
-            query_width, d_in = weight.shape if weight.ndim == 2 else (0, 0)
+            query_width, d_in = shape
             kv_heads = num_heads  # separate projections: one key head per query head
-        if weight.ndim != 2 or query_width == 0 or query_width % num_heads:
-            raise BadInputError(f"{name} has shape {tuple(weight.shape)}, which does not split into {num_heads} heads")
+        if query_width == 0 or query_width % num_heads:
+            raise BadInputError(f"{name} has shape {shape}, which does not split into {num_heads} heads")
         layers.append(
             AttentionLayer(
                 prefix=prefix,
