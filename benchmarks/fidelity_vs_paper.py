@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import brown  # noqa: E402
 
 import collab_convert  # noqa: E402
-from collab_convert.checkpoint import DEFAULT_MODEL, resolve_model  # noqa: E402
-from collab_convert.fidelity import cosine_stats, sentence_embeddings  # noqa: E402
+from collab_convert.io.folders import DEFAULT_MODEL, resolve_model  # noqa: E402
+from collab_convert.integration.fidelity import cosine_stats, sentence_embeddings  # noqa: E402
 
 
 def main() -> None:

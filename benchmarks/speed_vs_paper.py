@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import collab_convert  # noqa: E402
-from collab_convert.checkpoint import DEFAULT_MODEL  # noqa: E402
+from collab_convert.io.folders import DEFAULT_MODEL  # noqa: E402
 
 
 def timed_compress(model: str, output: Path, **options):

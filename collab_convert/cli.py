@@ -1,4 +1,5 @@
-"""The command line: parses, calls the pure functions in pipeline.py, prints. Nothing else lives here.
+"""The command line: parses, calls the jobs (analyze.py, compress.py, integration/fidelity.py), prints.
+Nothing else lives here; every option of a job comes from options.py.
 
 Exit codes: 0 success; 1 a threshold failed; 2 usage error; 3 bad input (missing or unreadable model,
 unsupported architecture, invalid rank, output exists); 130 interrupted.
@@ -6,11 +7,12 @@ unsupported architecture, invalid rank, output exists); 130 interrupted.
 
 from __future__ import annotations
 
+import inspect
 import json
 import signal
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, get_args
 
 import typer
 from rich.console import Console
@@ -24,6 +26,7 @@ from rich.progress import (
 from rich.table import Table
 
 from .errors import BadInputError
+from .options import AnalyzeOptions, CompressOptions
 
 EXIT_CODES = """Exit codes: 0 success, 1 a threshold failed, 2 usage error, 3 bad input, 130 interrupted."""
 
@@ -93,35 +96,93 @@ def _run_with_progress(function, *args, show: bool = True):
 MODEL_HELP = "A local model folder or a hub id in the local Hugging Face cache (default: the embedded all-MiniLM-L6-v2)."
 
 
+def _cli_type(field):
+    """The type the command line reads a field as: its `cli_type`, else its annotation (X | None -> Optional[X])."""
+    declared = (field.json_schema_extra or {}).get("cli_type")
+    if declared is not None:
+        return Optional[declared] if field.default is None and not field.is_required() else declared
+    args = [a for a in get_args(field.annotation) if a is not type(None)]
+    if type(None) in get_args(field.annotation) and len(args) == 1:
+        return Optional[args[0]]
+    return field.annotation
+
+
+def _flags(name: str, field) -> list[str]:
+    return (field.json_schema_extra or {}).get("flags") or [f"--{name.replace('_', '-')}"]
+
+
+def with_options(options_model, after: str):
+    """Give a command one CLI option per field of `options_model` (names, defaults and help from the model),
+    placed after its parameter `after`. The command receives them as keyword arguments."""
+
+    def decorate(function):
+        own = list(inspect.signature(function).parameters.values())
+        own = [p for p in own if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        generated = [
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=typer.Option(... if field.is_required() else field.default, *_flags(name, field),
+                                     help=field.description, show_default=not field.is_required()),
+                annotation=_cli_type(field),
+            )
+            for name, field in options_model.model_fields.items()
+        ]
+        position = next(i for i, p in enumerate(own) if p.name == after) + 1
+        parameters = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+        function.__signature__ = inspect.Signature(parameters[:position] + generated + parameters[position:])
+        return function
+
+    return decorate
+
+
+def build_options(options_model, values: dict):
+    """The options model from CLI values; a value it refuses is a usage error naming the flag."""
+    from pydantic import ValidationError
+
+    try:
+        return options_model(**values)
+    except ValidationError as error:
+        first = error.errors()[0]
+        name = str(first["loc"][0]) if first["loc"] else ""
+        field = options_model.model_fields.get(name)
+        hint = _flags(name, field)[0] if field else None
+        raise typer.BadParameter(first["msg"].removeprefix("Value error, "), param_hint=hint) from None
+
+
 @app.command()
+@with_options(AnalyzeOptions, after="model")
 def analyze(
     model: str = typer.Argument(None, help=MODEL_HELP, show_default=False),
-    ranks: Optional[str] = typer.Option(None, "--ranks", help="Comma-separated candidate ranks to cost, e.g. 64,128,192."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw the spectra into this PNG file."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
+    **options,
 ) -> None:
     """PCA redundancy of every attention layer: spectra, energy ranks, and costs at candidate ranks.
 
     Next: pick a rank from the 95% or 99% column and run `collab-convert compress MODEL --rank R -o OUT`.
     """
-    from .checkpoint import DEFAULT_MODEL
-    from .pipeline import analyze as run_analyze
+    from .analyze import analyze as run_analyze
+    from .io.folders import DEFAULT_MODEL
 
     _Quiet.quiet = quiet
-    candidate = _parse_ranks(ranks)
-    result = _run_with_progress(run_analyze, model or DEFAULT_MODEL, candidate, show=not as_json)
-    if plot is not None:
-        from .report import plot_spectra
+    chosen = build_options(AnalyzeOptions, options)
+    result = _run_with_progress(run_analyze, model or DEFAULT_MODEL, chosen.ranks, show=not as_json)
+    if chosen.plot is not None:
+        from .report.plots import plot_spectra
 
         layers = [(l.name, l.spectra["query_unfolding"], l.spectra["key_unfolding"]) for l in result.layers]
         try:
-            plot_spectra(layers, plot)
+            plot_spectra(layers, chosen.plot)
         except OSError as error:
-            raise BadInputError(f"cannot write the plot to {plot}: {error.strerror or error}") from None
+            raise BadInputError(f"cannot write the plot to {chosen.plot}: {error.strerror or error}") from None
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
         return
+    _print_analysis(result)
+
+
+def _print_analysis(result) -> None:
     table = Table(title=f"Attention redundancy: {result.model} ({result.family})")
     table.add_column("layer", no_wrap=True)
     table.add_column("heads x d_k", justify="right")
@@ -150,111 +211,35 @@ def analyze(
     )
 
 
-def _parse_ranks(text: Optional[str]) -> Optional[list[int]]:
-    if text is None:
-        return None
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"'{text}' is not a comma-separated list of integers", param_hint="--ranks")
-    if not values or any(v < 1 for v in values):
-        raise typer.BadParameter("ranks must be positive integers", param_hint="--ranks")
-    return values
-
-
 @app.command()
+@with_options(CompressOptions, after="model")
 def compress(
     model: str = typer.Argument(None, help=MODEL_HELP, show_default=False),
-    rank: str = typer.Option(..., "--rank", "-r", help="Shared query/key dimension R for every layer, or 'auto' (see --energy)."),
-    energy: float = typer.Option(0.95, "--energy", help="With --rank auto: share of (logit, with --calibration) energy each layer keeps."),
-    calibration: Optional[Path] = typer.Option(None, "--calibration", help="Text file (one example per line) or folder of .txt files: fit the logits on real inputs and refine against the original attention."),
-    calibration_samples: int = typer.Option(512, "--calibration-samples", help="Examples to read from --calibration at most."),
-    refine_steps: int = typer.Option(100, "--refine-steps", help="With --calibration: Adam steps per layer against the original attention (0: off)."),
-    output: Path = typer.Option(..., "--output", "-o", help="Folder to write the collaborative checkpoint to."),
-    seed: int = typer.Option(0, "--seed", help="Seed for anything random (the default fit has no random step)."),
-    max_iterations: int = typer.Option(500, "--max-iterations", help="ALS iterations per layer at most."),
-    tolerance: float = typer.Option(1e-3, "--tolerance", help="Stop when an iteration improves the error by less than this share."),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors shard, e.g. 500MB."),
-    device: str = typer.Option("cpu", "--device", help="Run the decomposition on cpu or cuda[:N]."),
-    method: str = typer.Option("tucker-cp-als", "--method", help="tucker-cp-als (ours) or reference-parafac (the paper's)."),
     max_error: Optional[float] = typer.Option(None, "--max-error", help="Exit 1 if any layer's relative error exceeds this."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists and is not empty."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check the model, ranks and output location; write nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
+    **options,
 ) -> None:
     """Re-parametrize every attention layer into collaborative form and write a loadable checkpoint.
 
     Next: `import collab_convert` and load OUTPUT with transformers' Auto classes or collab_convert.load_model.
     """
-    from pydantic import ValidationError
-
-    from .checkpoint import DEFAULT_MODEL
-    from .pipeline import CompressOptions
-    from .pipeline import compress as run_compress
-    from .report import result_json
+    from .compress import compress as run_compress
+    from .io.folders import DEFAULT_MODEL
+    from .report.reports import result_json
 
     _Quiet.quiet = quiet
-    if rank != "auto":
-        try:
-            rank = int(rank)
-        except ValueError:
-            raise typer.BadParameter(f"'{rank}' is neither an integer nor 'auto'", param_hint="--rank") from None
-    try:
-        options = CompressOptions(
-            rank=rank,
-            energy=energy,
-            calibration=calibration,
-            calibration_samples=calibration_samples,
-            refine_steps=refine_steps,
-            output=output,
-            seed=seed,
-            max_iterations=max_iterations,
-            tolerance=tolerance,
-            max_shard_size=max_shard_size,
-            method=method,
-            device=device,
-            overwrite=overwrite,
-        )
-    except ValidationError as error:
-        first = error.errors()[0]
-        raise typer.BadParameter(first["msg"].removeprefix("Value error, "), param_hint=f"--{first['loc'][0]}")
+    chosen = build_options(CompressOptions, options)
     if dry_run:
-        from .pipeline import plan
-
-        checked = plan(model or DEFAULT_MODEL, options)
-        if as_json:
-            typer.echo(json.dumps(checked.to_dict()))
-        else:
-            stdout.print(
-                f"OK: {checked.model} ({checked.family}), {len(checked.layers)} attention layers at rank {rank} -> "
-                f"{checked.output}. Q/K parameters {checked.parameters_before:,} -> {checked.parameters_after:,}.\n"
-                "Next: run the same command without --dry-run."
-            )
+        _print_plan(model or DEFAULT_MODEL, chosen, as_json)
         return
-    result = _run_with_progress(run_compress, model or DEFAULT_MODEL, options, show=not as_json)
-    failed = [layer for layer in result.layers if max_error is not None and layer.relative_error > max_error]
+    result = _run_with_progress(run_compress, model or DEFAULT_MODEL, chosen, show=not as_json)
     if as_json:
         typer.echo(result_json(result, indent=None))
     else:
-        table = Table(title=f"Collaborative attention ({'auto ranks' if rank == 'auto' else f'rank {rank}'}): {result.model}")
-        for column in ("layer", "rank", "relative error", "per-head truncation", "Q/K params before", "after"):
-            table.add_column(column, justify="left" if column == "layer" else "right")
-        for layer in result.layers:
-            table.add_row(
-                layer.name,
-                str(layer.rank),
-                f"{layer.relative_error:.4f}",
-                "-" if layer.per_head_truncation_error != layer.per_head_truncation_error else f"{layer.per_head_truncation_error:.4f}",
-                f"{layer.parameters_before:,}",
-                f"{layer.parameters_after:,}",
-            )
-        stdout.print(table)
-        stdout.print(
-            f"Wrote {result.output} in {result.seconds:.1f} s. Q/K parameters {result.parameters_before:,} -> "
-            f"{result.parameters_after:,}; mean relative error {result.mean_relative_error:.4f}.\n"
-            f"Next: python -c \"import collab_convert; m = collab_convert.load_model('{result.output}')\""
-        )
+        _print_compression(result, chosen.rank)
+    failed = [layer for layer in result.layers if max_error is not None and layer.relative_error > max_error]
     if failed:
         worst = max(failed, key=lambda layer: layer.relative_error)
         _error(
@@ -262,6 +247,41 @@ def compress(
             f"{worst.relative_error:.4f}"
         )
         raise typer.Exit(1)
+
+
+def _print_plan(model: str, options: CompressOptions, as_json: bool) -> None:
+    from .compress import plan
+
+    checked = plan(model, options)
+    if as_json:
+        typer.echo(json.dumps(checked.to_dict()))
+        return
+    stdout.print(
+        f"OK: {checked.model} ({checked.family}), {len(checked.layers)} attention layers at rank {options.rank} -> "
+        f"{checked.output}. Q/K parameters {checked.parameters_before:,} -> {checked.parameters_after:,}.\n"
+        "Next: run the same command without --dry-run."
+    )
+
+
+def _print_compression(result, rank) -> None:
+    table = Table(title=f"Collaborative attention ({'auto ranks' if rank == 'auto' else f'rank {rank}'}): {result.model}")
+    for column in ("layer", "rank", "relative error", "per-head truncation", "Q/K params before", "after"):
+        table.add_column(column, justify="left" if column == "layer" else "right")
+    for layer in result.layers:
+        table.add_row(
+            layer.name,
+            str(layer.rank),
+            f"{layer.relative_error:.4f}",
+            "-" if layer.per_head_truncation_error != layer.per_head_truncation_error else f"{layer.per_head_truncation_error:.4f}",
+            f"{layer.parameters_before:,}",
+            f"{layer.parameters_after:,}",
+        )
+    stdout.print(table)
+    stdout.print(
+        f"Wrote {result.output} in {result.seconds:.1f} s. Q/K parameters {result.parameters_before:,} -> "
+        f"{result.parameters_after:,}; mean relative error {result.mean_relative_error:.4f}.\n"
+        f"Next: python -c \"import collab_convert; m = collab_convert.load_model('{result.output}')\""
+    )
 
 
 @app.command()
@@ -281,8 +301,8 @@ def verify(
 
     Next: put the thresholds that matter to you in your release pipeline (see docs/ci.md).
     """
-    from .calibration import read_texts
-    from .fidelity import verify as run_verify
+    from .integration.fidelity import verify as run_verify
+    from .io.texts import read_texts
 
     thresholds = {"min_cosine": min_cosine, "min_cosine_p01": min_cosine_p01, "min_top1": min_top1, "max_kl": max_kl}
     result = run_verify(model, against, read_texts(texts, samples), thresholds)

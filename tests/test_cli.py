@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from collab_convert.cli import app, main
-from conftest import folder_digest
+from fixtures.models import folder_digest
 
 runner = CliRunner()
 

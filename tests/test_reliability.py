@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from collab_convert.cli import main
-from conftest import folder_digest
+from fixtures.models import folder_digest
 
 
 def run_cli(capsys, *arguments):

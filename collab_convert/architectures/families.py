@@ -1,0 +1,209 @@
+"""Everything collab-convert knows about model families, as data.
+
+A family says which config `model_type`s it covers, where its attention modules sit (regexes over module /
+tensor-name prefixes, each with the config key that gives its head count) and how their query/key
+projections are laid out (layouts.py). The collaborative module keeps the original forward (modeling/), so
+adding a family whose layout exists is one entry in FAMILIES and a test.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import UnsupportedModelError
+from ..modeling.forwards import gpt_bigcode_forward, mpnet_forward, opt_forward
+from ..format import HeadCounts
+from .layouts import FusedProjection, Layout, SeparateProjections
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where attention modules sit, and which config key holds their number of heads."""
+
+    pattern: str  # matches the module's dotted name, with or without a base-model prefix ("bert.")
+    num_heads_key: str = "num_attention_heads"
+    cross: bool = False  # queries from one sequence, keys from another (encoder-decoder attention)
+    causal: bool = False  # each query sees only the keys up to its own position
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    sites: tuple[Site, ...]
+    layout: Layout = SeparateProjections()
+    # Modules that compute scores inline instead of calling the attention interface need our forward.
+    forward: Callable | None = None
+    # Config values the collaborative form cannot reproduce, as (key, allowed values, reason).
+    requires: tuple[tuple[str, tuple, str], ...] = ()
+    # Grouped-query attention: how many key/value heads a config has (None: one per query head). The heads of
+    # a group share their key, so T[i] = W_Q^(i)^T W_K^(g(i)).
+    kv_heads: Callable[[dict[str, Any]], int] | None = None
+    # Scores are exactly softmax(q.k / sqrt(d_k)) plus masks, so calibration can refine them against the
+    # original's attention (families with position biases or other scalings are fitted, not refined).
+    refinable: bool = True
+
+    def site_of(self, module_name: str) -> Site | None:
+        for site in self.sites:
+            if re.search(site.pattern, module_name):
+                return site
+        return None
+
+    def heads(self, config: dict[str, Any], site: Site) -> HeadCounts:
+        num_heads = self.num_heads(config, site)
+        return HeadCounts(num_heads, self.kv_heads(config) if self.kv_heads else num_heads)
+
+    def num_heads(self, config: dict[str, Any], site: Site) -> int:
+        value = config.get(site.num_heads_key)
+        if not isinstance(value, int) or value <= 0:
+            raise UnsupportedModelError(f"config.json has no valid '{site.num_heads_key}'")
+        return value
+
+
+_ABSOLUTE_ONLY = (
+    (
+        "position_embedding_type",
+        (None, "absolute"),
+        "its relative-position scores use the per-head query and key vectors",
+    ),
+)
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        name="bert",
+        # Models whose self-attention is BertSelfAttention or a verbatim copy of it.
+        model_types=("bert", "roberta", "xlm-roberta", "electra", "camembert", "data2vec-text", "ernie"),
+        sites=(Site(r"(^|\.)encoder\.layer\.\d+\.attention\.self$"),),
+        requires=_ABSOLUTE_ONLY,
+    ),
+    Family(
+        name="distilbert",
+        model_types=("distilbert",),
+        sites=(Site(r"(^|\.)transformer\.layer\.\d+\.attention$", "n_heads"),),
+        layout=SeparateProjections("q_lin", "k_lin"),
+    ),
+    Family(
+        # One attention module per layer group, shared by every layer of the group: decomposed once.
+        name="albert",
+        model_types=("albert",),
+        sites=(Site(r"(^|\.)encoder\.albert_layer_groups\.\d+\.albert_layers\.\d+\.attention$"),),
+        requires=_ABSOLUTE_ONLY,
+    ),
+    Family(
+        # The relative position bias is added to the scores and untouched by the re-parametrization.
+        name="mpnet",
+        model_types=("mpnet",),
+        sites=(Site(r"(^|\.)encoder\.layer\.\d+\.attention\.attn$"),),
+        layout=SeparateProjections("q", "k"),
+        forward=mpnet_forward,
+        refinable=False,
+    ),
+    Family(
+        name="vit",
+        model_types=("vit", "deit"),
+        sites=(Site(r"(^|\.)layers\.\d+\.attention$"),),
+        layout=SeparateProjections("q_proj", "k_proj"),
+    ),
+    Family(
+        name="gpt2",
+        model_types=("gpt2",),
+        sites=(Site(r"(^|\.)h\.\d+\.attn$", "n_head", causal=True),),
+        layout=FusedProjection("c_attn", conv1d=True),
+        requires=(
+            ("reorder_and_upcast_attn", (None, False), "its upcast path multiplies the per-head queries and keys"),
+            ("add_cross_attention", (None, False), "its cross-attention fuses keys with values differently"),
+        ),
+        refinable=False,  # scale_attn_weights / scale_attn_by_inverse_layer_idx change the score scale
+    ),
+    Family(
+        # Multi-query attention: every query head reads one shared key/value head.
+        name="gpt_bigcode",
+        model_types=("gpt_bigcode",),
+        sites=(Site(r"(^|\.)h\.\d+\.attn$", "n_head", causal=True),),
+        layout=FusedProjection("c_attn"),
+        forward=gpt_bigcode_forward,
+        kv_heads=lambda config: 1,
+        requires=(
+            ("multi_query", (None, True), "its multi-head variant interleaves q/k/v per head in c_attn"),
+            ("add_cross_attention", (None, False), "its cross-attention splits keys and values differently"),
+        ),
+        refinable=False,  # scale_attn_weights changes the score scale
+    ),
+    Family(
+        name="opt",
+        model_types=("opt",),
+        sites=(Site(r"(^|\.)decoder\.layers\.\d+\.self_attn$", causal=True),),
+        layout=SeparateProjections("q_proj", "k_proj"),
+        forward=opt_forward,  # its views spell out the head count, so the packed shared key needs our forward
+    ),
+    Family(
+        name="bart",
+        model_types=("bart", "mbart", "marian", "pegasus"),
+        sites=(
+            Site(r"(^|\.)encoder\.layers\.\d+\.self_attn$", "encoder_attention_heads"),
+            Site(r"(^|\.)decoder\.layers\.\d+\.self_attn$", "decoder_attention_heads", causal=True),
+            Site(r"(^|\.)decoder\.layers\.\d+\.encoder_attn$", "decoder_attention_heads", cross=True),
+        ),
+        layout=SeparateProjections("q_proj", "k_proj"),
+    ),
+    Family(
+        # No 1/sqrt(d_k) scaling and a relative position bias: both stay exactly as they are.
+        name="t5",
+        model_types=("t5", "mt5"),
+        sites=(
+            Site(r"(^|\.)(encoder|decoder)\.block\.\d+\.layer\.0\.SelfAttention$", "num_heads"),
+            Site(r"(^|\.)decoder\.block\.\d+\.layer\.1\.EncDecAttention$", "num_heads", cross=True),
+        ),
+        layout=SeparateProjections("q", "k"),
+        refinable=False,
+    ),
+)
+
+# Families the collaborative form cannot represent exactly, and why. Checked before FAMILIES.
+_ROTARY = (
+    "it uses rotary position embeddings, which make W_Q R W_K^T depend on the token offset, so heads cannot "
+    "share one query/key projection exactly"
+)
+REFUSED: dict[str, str] = {
+    **{
+        t: _ROTARY
+        for t in (
+            "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma", "gemma2",
+            "gemma3", "gemma3_text", "phi", "phi3", "gpt_neox", "gptj", "falcon", "olmo", "olmo2", "stablelm",
+            "starcoder2", "cohere", "granite", "roformer", "esm", "modernbert", "nomic_bert", "gpt_neo",
+        )
+    },
+    "deberta": "its disentangled attention adds content-to-position terms with their own projections",
+    "deberta-v2": "its disentangled attention adds content-to-position terms with their own projections",
+}
+
+
+def family_for(config: dict[str, Any]) -> Family:
+    model_type = config.get("model_type")
+    if not model_type:
+        raise UnsupportedModelError("config.json has no model_type, so the architecture cannot be recognised")
+    if model_type in REFUSED:
+        raise UnsupportedModelError(f"model_type '{model_type}' is not supported: {REFUSED[model_type]}")
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            for key, allowed, reason in family.requires:
+                if config.get(key) not in allowed:
+                    raise UnsupportedModelError(f"{key}={config.get(key)!r} is not supported: {reason}")
+            return family
+    raise UnsupportedModelError(
+        f"model_type '{model_type}' is not supported (supported: {', '.join(supported_model_types())})"
+    )
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for f in FAMILIES for t in f.model_types)
+
+
+def family_named(name: str) -> Family:
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise UnsupportedModelError(f"unknown collaborative family '{name}' (known: {', '.join(f.name for f in FAMILIES)})")

@@ -1,0 +1,259 @@
+"""How a family lays out its query and key projections: the ONE reader of that layout.
+
+A layout answers every question that depends on it, for tensors in a checkpoint and for modules in memory:
+which tensors make an attention layer, how to read its query/key weights (grouped keys included), what the
+collaborative layer writes in their place, how to take the projections off a module, and where calibration
+hooks see the inputs. Two layouts cover every family so far:
+
+- SeparateProjections: one Linear for queries and one for keys (BERT's query/key, BART's q_proj/k_proj).
+- FusedProjection: one projection holding [queries | keys | values] side by side (GPT-2's Conv1D c_attn,
+  GPTBigCode's Linear c_attn); the value part stays as `value_projection`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..decompose.costs import LayerShape
+from ..decompose.products import HeadProducts
+from ..errors import BadInputError
+from ..format import FUSED_VALUE, HeadCounts, LayerFormat
+from ..io.tensors import TensorReader, TensorSpec
+
+
+@dataclass
+class AttentionLayer:
+    """One attention module of a checkpoint, found from tensor headers (nothing loaded)."""
+
+    prefix: str  # tensor-name prefix of the attention module, e.g. "encoder.layer.0.attention.self"
+    shape: LayerShape
+    anchor: str  # the tensor whose place in the file the collaborative tensors take
+    replaced: list[str]  # tensors the collaborative form removes
+    has_query_bias: bool
+    kv_heads: int  # key/value heads: fewer than the query heads under grouped-query attention
+    key_input_dim: int  # width of the key-side inputs (the query side's for self-attention)
+    causal: bool = False
+
+    @property
+    def key_rows(self) -> int:
+        return self.kv_heads * self.shape.head_dim
+
+
+@dataclass
+class Projections:
+    """One layer's query/key projections in nn.Linear layout, and tensors that replace a fused projection."""
+
+    query_weight: torch.Tensor
+    key_weight: torch.Tensor  # one key block per QUERY head (grouped keys repeated)
+    query_bias: torch.Tensor | None
+    kept: dict[str, torch.Tensor]  # e.g. the value part of GPT-2's c_attn, under its new name
+
+    def products(self, num_heads: int) -> HeadProducts:
+        return HeadProducts.from_projections(self.query_weight, self.key_weight, num_heads)
+
+
+def finite(reader: TensorReader, name: str) -> torch.Tensor:
+    tensor = reader.get(name)
+    if not torch.isfinite(tensor).all():
+        raise BadInputError(f"{name} contains NaN or Inf values; the model's weights are corrupt")
+    return tensor
+
+
+def per_query_head(key_weight: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+    """Grouped keys repeated so that row block i is the key of query head i."""
+    if layer.kv_heads == layer.shape.num_heads:
+        return key_weight
+    groups = layer.shape.num_heads // layer.kv_heads
+    blocks = key_weight.reshape(layer.kv_heads, layer.shape.head_dim, -1)
+    return blocks.repeat_interleave(groups, dim=0).reshape(layer.shape.key_dim, -1)
+
+
+def _split_error(name: str, shape, heads: HeadCounts) -> BadInputError:
+    grouped = f" and {heads.kv_heads} key/value heads" if heads.kv_heads != heads.num_heads else ""
+    return BadInputError(f"{name} has shape {tuple(shape)}, which does not split into {heads.num_heads} heads{grouped}")
+
+
+def _bias_if_present(reader: TensorReader, name: str) -> list[str]:
+    return [name] if name in reader else []
+
+
+@dataclass(frozen=True)
+class SeparateProjections:
+    """A query Linear and a key Linear, each (N_h d_k, D_in); keys may have fewer heads (grouped queries)."""
+
+    query: str = "query"
+    key: str = "key"
+
+    @property
+    def marker(self) -> str:
+        return self.query
+
+    # --- checkpoints -------------------------------------------------------------------------------------
+    def find(self, reader: TensorReader, prefix: str, heads: HeadCounts, causal: bool) -> AttentionLayer:
+        query_weight, key_weight = f"{prefix}.{self.query}.weight", f"{prefix}.{self.key}.weight"
+        if key_weight not in reader:
+            raise BadInputError(f"{prefix} has a query projection but no key projection ({key_weight})")
+        query_shape, key_shape = reader.spec(query_weight).shape, reader.spec(key_weight).shape
+        if len(query_shape) != 2 or query_shape[0] == 0 or query_shape[0] % heads.num_heads:
+            raise _split_error(query_weight, query_shape, heads)
+        head_dim = query_shape[0] // heads.num_heads
+        if len(key_shape) != 2 or key_shape[0] == 0 or key_shape[0] % head_dim or heads.num_heads % max(key_shape[0] // head_dim, 1):
+            raise _split_error(key_weight, key_shape, heads)
+        return AttentionLayer(
+            prefix=prefix,
+            shape=LayerShape(input_dim=query_shape[1], num_heads=heads.num_heads, head_dim=head_dim),
+            anchor=query_weight,
+            replaced=[query_weight, key_weight, *_bias_if_present(reader, f"{prefix}.{self.query}.bias"),
+                      *_bias_if_present(reader, f"{prefix}.{self.key}.bias")],
+            has_query_bias=f"{prefix}.{self.query}.bias" in reader,
+            kv_heads=key_shape[0] // head_dim,  # from the tensors: the key projection says how many heads it has
+            key_input_dim=key_shape[1],
+            causal=causal,
+        )
+
+    def read(self, reader: TensorReader, layer: AttentionLayer) -> Projections:
+        query_bias = f"{layer.prefix}.{self.query}.bias"
+        return Projections(
+            query_weight=finite(reader, f"{layer.prefix}.{self.query}.weight"),
+            key_weight=per_query_head(finite(reader, f"{layer.prefix}.{self.key}.weight"), layer),
+            query_bias=finite(reader, query_bias) if query_bias in reader else None,
+            kept={},
+        )
+
+    def output_specs(self, reader: TensorReader, layer: AttentionLayer, rank: int) -> list[TensorSpec]:
+        return _collaborative_specs(reader, layer, rank)
+
+    # --- modules in memory ---------------------------------------------------------------------------------
+    def module_dims(self, module: nn.Module, heads: HeadCounts) -> tuple[int, int, torch.Tensor]:
+        """(D_in, head size, a weight for device and dtype) of the projections about to be replaced."""
+        query = getattr(module, self.query)
+        return query.in_features, query.out_features // heads.num_heads, query.weight
+
+    def detach_projections(self, module: nn.Module, heads: HeadCounts) -> None:
+        delattr(module, self.query)
+        delattr(module, self.key)
+
+    def members(self) -> dict[str, property]:
+        """The original forward calls self.<query>(h): hand it the shared query instead (and so on)."""
+        return {
+            self.query: property(lambda self: self.collaborative_query),
+            self.key: property(lambda self: self.collaborative_key),
+        }
+
+    def finish(self, module: nn.Module, heads: HeadCounts) -> None:
+        pass
+
+    def hook_points(self, module: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
+        """Submodules whose inputs are the query-side and key-side inputs of the attention."""
+        return [(getattr(module, self.query), ("query",)), (getattr(module, self.key), ("key",))]
+
+
+@dataclass(frozen=True)
+class FusedProjection:
+    """One projection [queries (N_h d_k) | keys (N_kv d_k) | values (N_kv d_k)]. `conv1d`: stored (D_in, D_out) as
+    transformers' Conv1D does; otherwise (D_out, D_in) as nn.Linear."""
+
+    name: str
+    conv1d: bool = False
+
+    @property
+    def marker(self) -> str:
+        return self.name
+
+    def _linear(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.T if self.conv1d else weight
+
+    # --- checkpoints -------------------------------------------------------------------------------------
+    def find(self, reader: TensorReader, prefix: str, heads: HeadCounts, causal: bool) -> AttentionLayer:
+        name = f"{prefix}.{self.name}.weight"
+        shape = reader.spec(name).shape  # from the header: nothing is loaded until the layer is fitted
+        if len(shape) != 2:
+            raise _split_error(name, shape, heads)
+        d_in, width = shape if self.conv1d else shape[::-1]
+        head_dim = width // (heads.num_heads + 2 * heads.kv_heads)
+        if head_dim == 0 or head_dim * (heads.num_heads + 2 * heads.kv_heads) != width:
+            raise _split_error(name, shape, heads)
+        return AttentionLayer(
+            prefix=prefix,
+            shape=LayerShape(input_dim=d_in, num_heads=heads.num_heads, head_dim=head_dim),
+            anchor=name,
+            replaced=[name, *_bias_if_present(reader, f"{prefix}.{self.name}.bias")],
+            has_query_bias=f"{prefix}.{self.name}.bias" in reader,
+            kv_heads=heads.kv_heads,
+            key_input_dim=d_in,
+            causal=causal,
+        )
+
+    def read(self, reader: TensorReader, layer: AttentionLayer) -> Projections:
+        linear = self._linear(finite(reader, layer.anchor))  # (3 widths, D_in)
+        width, key_end = layer.shape.key_dim, layer.shape.key_dim + layer.key_rows
+        bias_name = f"{layer.prefix}.{self.name}.bias"
+        bias = finite(reader, bias_name) if bias_name in reader else None
+        kept = {f"{layer.prefix}.{FUSED_VALUE}.weight": self._linear(linear[key_end:]).contiguous()}
+        if bias is not None:
+            kept[f"{layer.prefix}.{FUSED_VALUE}.bias"] = bias[key_end:].contiguous()
+        return Projections(
+            query_weight=linear[:width],
+            key_weight=per_query_head(linear[width:key_end], layer),
+            query_bias=bias[:width] if bias is not None else None,
+            kept=kept,
+        )
+
+    def output_specs(self, reader: TensorReader, layer: AttentionLayer, rank: int) -> list[TensorSpec]:
+        """The collaborative tensors, then the value third of the fused projection, in the fused layout."""
+        anchor = reader.spec(layer.anchor)
+        used = layer.shape.key_dim + layer.key_rows  # query and key rows; the rest are values
+        value_shape = (anchor.shape[0], anchor.shape[1] - used) if self.conv1d else (anchor.shape[0] - used, anchor.shape[1])
+        specs = _collaborative_specs(reader, layer, rank)
+        specs.append(TensorSpec(f"{layer.prefix}.{FUSED_VALUE}.weight", anchor.dtype, value_shape))
+        bias = f"{layer.prefix}.{self.name}.bias"
+        if bias in reader:
+            bias_spec = reader.spec(bias)
+            specs.append(TensorSpec(f"{layer.prefix}.{FUSED_VALUE}.bias", bias_spec.dtype, (bias_spec.shape[0] - used,)))
+        return specs
+
+    # --- modules in memory ---------------------------------------------------------------------------------
+    def module_dims(self, module: nn.Module, heads: HeadCounts) -> tuple[int, int, torch.Tensor]:
+        fused = getattr(module, self.name)
+        d_in, width = fused.weight.shape if self.conv1d else fused.weight.shape[::-1]
+        return d_in, width // (heads.num_heads + 2 * heads.kv_heads), fused.weight
+
+    def detach_projections(self, module: nn.Module, heads: HeadCounts) -> None:
+        d_in, head_dim, weight = self.module_dims(module, heads)
+        factory = {"device": weight.device, "dtype": weight.dtype}
+        if self.conv1d:
+            from transformers.pytorch_utils import Conv1D
+
+            value = Conv1D(heads.kv_heads * head_dim, d_in).to(**factory)
+        else:
+            value = nn.Linear(d_in, heads.kv_heads * head_dim, **factory)
+        delattr(module, self.name)
+        setattr(module, FUSED_VALUE, value)
+
+    def members(self) -> dict[str, property]:
+        return {self.name: property(lambda self: self.collaborative_fused)}
+
+    def finish(self, module: nn.Module, heads: HeadCounts) -> None:
+        # The module splits the fused output with self.split_size: [shared query | packed shared key | values].
+        module.split_size = [module._query_width, module._key_width, heads.kv_heads * module.collaborative_head_dim]
+
+    def hook_points(self, module: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
+        return [(getattr(module, self.name), ("query", "key"))]
+
+
+Layout = SeparateProjections | FusedProjection
+
+
+def _collaborative_specs(reader: TensorReader, layer: AttentionLayer, rank: int) -> list[TensorSpec]:
+    shape = LayerFormat(rank, layer.shape.num_heads, layer.shape.input_dim, layer.key_input_dim)
+    return shape.specs(layer.prefix, reader.spec(layer.anchor).dtype)
+
+
+def natural_key(text: str) -> list:
+    """'layer.10' after 'layer.9'."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+

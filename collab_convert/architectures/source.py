@@ -1,0 +1,58 @@
+"""A source checkpoint opened for compression: its folder, config, family, lazy tensors and attention layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import BadInputError
+from ..format import is_collaborative
+from ..io.folders import read_config, resolve_model
+from ..io.tensors import TensorReader
+from .families import Family, family_for
+from .layouts import AttentionLayer, Projections, natural_key
+from .naming import model_renamer
+
+
+@dataclass
+class SourceModel:
+    source: str  # what the user named: a folder or a hub id
+    folder: Path
+    config: dict[str, Any]
+    family: Family
+    reader: TensorReader
+    layers: list[AttentionLayer]
+
+    def read_projections(self, layer: AttentionLayer) -> Projections:
+        return self.family.layout.read(self.reader, layer)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def open_model(model: str) -> SourceModel:
+    folder = resolve_model(model)
+    config = read_config(folder)
+    if is_collaborative(config):
+        raise BadInputError(f"{model} is already collaborative; compress the original model instead")
+    family = family_for(config)
+    reader = TensorReader(folder, rename=model_renamer(folder, config))
+    layers = find_attention_layers(reader, family, config)
+    if not layers:
+        raise BadInputError(f"{model}: no {family.name} attention layers found among its weights")
+    return SourceModel(model, folder, config, family, reader, layers)
+
+
+def find_attention_layers(reader: TensorReader, family: Family, config: dict[str, Any]) -> list[AttentionLayer]:
+    """Every attention module of the family's sites, from tensor headers alone (nothing is loaded)."""
+    suffix = f".{family.layout.marker}.weight"
+    layers = []
+    for name in reader.names():
+        if not name.endswith(suffix):
+            continue
+        prefix = name[: -len(suffix)]
+        site = family.site_of(prefix)
+        if site is not None:
+            layers.append(family.layout.find(reader, prefix, family.heads(config, site), site.causal))
+    return sorted(layers, key=lambda layer: natural_key(layer.prefix))

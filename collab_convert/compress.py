@@ -1,0 +1,257 @@
+"""compress(): re-parametrize every attention layer into collaborative form and write a complete checkpoint.
+
+This module only sequences the stages; each stage's knowledge lives elsewhere:
+
+    open the source (architectures/)  ->  check the plan  ->  calibrate (integration/capture.py)
+    ->  choose ranks  ->  fit each layer (decompose/methods.py)  ->  stream tensors out (io/tensors.py)
+    ->  config (format.py), reports and card (report/)  ->  swap the staged output into place (io/folders.py)
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .analyze import check_rank, rounded
+from .architectures.layouts import AttentionLayer, Projections
+from .architectures.source import SourceModel, open_model
+from .decompose.costs import collaborative_cost, original_cost
+from .decompose.methods import FitRequest, LayerFit, method_named
+from .decompose.products import content_bias, relative_error
+from .errors import BadInputError
+from .format import FormatConfig, HeadCounts, collaborative_tensors, write_config
+from .io.folders import StagedOutput, check_output, copy_non_weight_files
+from .io.tensors import ShardWriter, TensorSpec, parse_size
+from .options import CompressOptions
+from .progress import Progress, no_progress
+from .results import CompressPlan, CompressResult, LayerReport
+
+
+def plan(model: str, options: CompressOptions) -> CompressPlan:
+    """Check the model, the ranks and the output location; decompose nothing, write nothing."""
+    source = open_model(model)
+    try:
+        return _plan(source, options)
+    finally:
+        source.close()
+
+
+def compress(model: str, options: CompressOptions, progress: Progress = no_progress) -> CompressResult:
+    """Re-parametrize every attention layer into collaborative form and write a complete checkpoint."""
+    started = time.perf_counter()
+    torch.manual_seed(options.seed)
+    source = open_model(model)
+    try:
+        _plan(source, options)  # refuse bad input before the costly calibration
+        metrics, calibration = _calibrate(source, options, progress)
+        ranks = _layer_ranks(source, options, metrics)
+        output = Path(_plan(source, options, ranks).output)
+        with StagedOutput(output) as staged:
+            reports, files = _convert_weights(source, options, staged.folder, progress, ranks, metrics)
+            files += copy_non_weight_files(source.folder, staged.folder)
+            result = CompressResult(
+                model=model, output=str(output), family=source.family.name, method=options.method,
+                layers=reports, files=[], seconds=0.0, calibration=calibration,
+            )
+            _write_config(source, reports, staged.folder, result.method + ("+calibrated" if calibration else ""))
+            files += ["config.json"] + _write_reports(result, source, staged.folder, started)
+            result.files = sorted(files)
+            staged.commit()
+    finally:
+        source.close()
+    return result
+
+
+def _write_reports(result: CompressResult, source: SourceModel, folder: Path, started: float) -> list[str]:
+    from .report.card import CardSource, write_model_card
+    from .report.plots import write_plots
+    from .report.reports import write_reports
+
+    files = write_plots(result, folder)
+    result.seconds = time.perf_counter() - started
+    card = CardSource.of(result.model, source.folder, source.config)
+    return files + write_reports(result, folder) + write_model_card(result, card, folder)
+
+
+def _plan(source: SourceModel, options: CompressOptions, ranks: dict[str, int] | None = None) -> CompressPlan:
+    parse_size(options.max_shard_size)
+    output = options.output.expanduser().resolve()
+    check_output(output, source.folder, options.overwrite)
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        raise BadInputError(f"--device {options.device} was asked for, but torch sees no CUDA device here")
+    if options.calibration is not None and not method_named(options.method).calibrates:
+        raise BadInputError(f"--calibration does not work with the {options.method} method")
+    layers = []
+    for layer in source.layers:
+        rank = (ranks or {}).get(layer.prefix, options.rank)
+        if rank != "auto":
+            check_rank(layer, rank)
+        before = original_cost(layer.shape, has_bias=layer.has_query_bias).parameters
+        after = collaborative_cost(layer.shape, rank).parameters if rank != "auto" else None
+        layers.append({"name": layer.prefix, "rank": rank, "parameters_before": before, "parameters_after": after})
+    return CompressPlan(
+        model=source.source,
+        output=str(output),
+        family=source.family.name,
+        method=options.method,
+        layers=layers,
+        parameters_before=sum(layer["parameters_before"] for layer in layers),
+        parameters_after=sum(layer["parameters_after"] or 0 for layer in layers),
+    )
+
+
+def _calibrate(source: SourceModel, options: CompressOptions, progress: Progress):
+    """Input statistics of every layer on the calibration text, and what the report says about them."""
+    if options.calibration is None:
+        return None, None
+    from .integration.capture import collect_statistics
+    from .io.texts import read_texts
+
+    texts = read_texts(options.calibration, options.calibration_samples)
+    refines = bool(options.refine_steps) and source.family.refinable
+    metrics = collect_statistics(
+        source.folder, source.family, [layer.prefix for layer in source.layers], texts,
+        options.calibration_max_length, progress, keep_samples=options.refine_samples if refines else 0,
+    )
+    if refines:
+        refinement = (f"{options.refine_steps} Adam steps per layer on the attention KL over "
+                      f"{min(options.refine_samples, len(texts))} sequences")
+    elif not options.refine_steps:
+        refinement = "off"
+    else:
+        refinement = f"not available for {source.family.name} (position bias or scaling)"
+    calibration = {
+        "source": str(options.calibration),
+        "examples": len(texts),
+        "max_length": options.calibration_max_length,
+        "objective": "logit error on the calibration inputs (keys centred per sequence)",
+        "refinement": refinement,
+    }
+    return metrics, calibration
+
+
+def _layer_ranks(source: SourceModel, options: CompressOptions, metrics) -> dict[str, int]:
+    """One rank per layer: the fixed one, or with rank="auto" the energy rank of the (whitened) products."""
+    if options.rank != "auto":
+        return {layer.prefix: options.rank for layer in source.layers}
+    from .decompose.calibrated import whiten
+    from .decompose.spectra import energy_rank, key_side_matrix, query_side_matrix
+
+    ranks = {}
+    for layer in source.layers:
+        products = source.read_projections(layer).products(layer.shape.num_heads)
+        if metrics is not None:
+            products = whiten(products, metrics[layer.prefix].query, metrics[layer.prefix].key)
+        share = options.energy
+        rank = max(
+            energy_rank(torch.linalg.svdvals(query_side_matrix(products)), share),
+            energy_rank(torch.linalg.svdvals(key_side_matrix(products)), share),
+        )
+        ranks[layer.prefix] = min(max(rank, 1), layer.shape.key_dim)
+    return ranks
+
+
+def _convert_weights(source: SourceModel, options: CompressOptions, folder: Path, progress: Progress,
+                     ranks: dict[str, int], metrics):
+    """Stream every tensor to the output in input order; at each attention layer, fit it and write its
+    collaborative tensors in place of the ones it replaces. One layer and one tensor in memory at a time."""
+    by_anchor = {layer.anchor: layer for layer in source.layers}
+    replaced = {name for layer in source.layers for name in layer.replaced}
+    writer = ShardWriter(folder, _output_specs(source, ranks, by_anchor, replaced), parse_size(options.max_shard_size))
+    reader, reports = source.reader, []
+    for name in reader.names():
+        reader.release_all_but(name)  # keep one input shard mapped at a time
+        if name in by_anchor:
+            progress("decomposing", len(reports), len(source.layers))
+            layer = by_anchor[name]
+            metric = metrics[layer.prefix] if metrics else None
+            report, tensors = _fit_layer(source, layer, options, ranks[layer.prefix], metric)
+            reports.append(report)
+            for new_name, tensor in tensors.items():
+                writer.add(new_name, tensor)
+        if name not in replaced:
+            writer.add(name, reader.get(name))
+    progress("decomposing", len(reports), len(source.layers))
+    return reports, writer.finish()
+
+
+def _output_specs(source: SourceModel, ranks: dict[str, int], by_anchor, replaced) -> list[TensorSpec]:
+    """Names, dtypes and shapes of every output tensor, in writing order, before anything is computed."""
+    specs = []
+    for name in source.reader.names():
+        if name in by_anchor:
+            layer = by_anchor[name]
+            specs += source.family.layout.output_specs(source.reader, layer, ranks[layer.prefix])
+        if name not in replaced:
+            specs.append(source.reader.spec(name))
+    return specs
+
+
+def _fit_layer(source: SourceModel, layer: AttentionLayer, options: CompressOptions, rank: int, metric):
+    started = time.perf_counter()
+    projections = source.read_projections(layer)
+    products = projections.products(layer.shape.num_heads)
+    fit = method_named(options.method).fit(FitRequest(
+        products, rank, options.max_iterations, options.tolerance, options.device, options.seed,
+        query_metric=metric.query if metric else None, key_metric=metric.key if metric else None,
+    ))
+    bias = content_bias(projections.key_weight, projections.query_bias, layer.shape.num_heads)
+    if fit.content_bias_correction is not None:
+        bias = bias + fit.content_bias_correction
+    factors, refinement = fit.factors, None
+    if metric is not None and metric.query_samples and rank < layer.shape.key_dim:
+        factors, bias, refinement = _refine(projections, layer, fit, bias, metric, options.refine_steps)
+        fit.relative_error = relative_error(products, factors)
+    tensors = collaborative_tensors(layer.prefix, factors.shared_query, factors.shared_key, factors.mixing, bias,
+                                    projections.query_weight.dtype)
+    tensors.update(projections.kept)
+    return _layer_report(layer, rank, fit, refinement, time.perf_counter() - started), tensors
+
+
+def _refine(projections: Projections, layer: AttentionLayer, fit: LayerFit, bias, metric, steps: int):
+    """Refine the fitted factors against the original layer's attention on the calibration sequences."""
+    from .decompose.refinement import refine_attention
+
+    refined = refine_attention(
+        metric.query_samples, metric.key_samples, projections.query_weight, projections.query_bias,
+        projections.key_weight, fit.factors, bias, layer.shape.num_heads, layer.shape.head_dim**-0.5,
+        causal=layer.causal, steps=steps,
+    )
+    report = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps}
+    return refined.factors, refined.content_bias.to(bias.dtype), report
+
+
+def _layer_report(layer: AttentionLayer, rank: int, fit: LayerFit, refinement: dict[str, Any] | None,
+                  seconds: float) -> LayerReport:
+    before = original_cost(layer.shape, has_bias=layer.has_query_bias)
+    after = collaborative_cost(layer.shape, rank)
+    truncation = fit.per_head_truncation_error
+    return LayerReport(
+        name=layer.prefix,
+        rank=rank,
+        num_heads=layer.shape.num_heads,
+        head_dim=layer.shape.head_dim,
+        input_dim=layer.shape.input_dim,
+        relative_error=fit.relative_error,
+        logit_error=fit.logit_error,
+        refinement=refinement,
+        per_head_truncation_error=float("nan") if truncation is None else truncation,
+        initialisation=fit.initialisation,
+        iterations=fit.iterations,
+        parameters_before=before.parameters,
+        parameters_after=after.parameters,
+        seconds=seconds,
+        cost_before=before.as_dict(),
+        cost_after=after.as_dict(),
+        query_spectrum=rounded(fit.query_spectrum),
+        key_spectrum=rounded(fit.key_spectrum),
+    )
+
+
+def _write_config(source: SourceModel, reports: list[LayerReport], folder: Path, method: str) -> None:
+    kv_heads = {layer.prefix: layer.kv_heads for layer in source.layers}
+    layers = {r.name: FormatConfig.layer_entry(r.rank, HeadCounts(r.num_heads, kv_heads[r.name])) for r in reports}
+    write_config(source.config, source.family.name, method, layers, folder)

@@ -1,0 +1,75 @@
+"""Calibrated fits: the error that matters is the error of the attention logits on real inputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .als import FitResult, fit_collaborative
+from .products import COMPUTE_DTYPE, CollaborativeFactors, HeadProducts
+
+
+@dataclass
+class InputMetric:
+    """How one side's inputs are distributed: E[(x . v)^2] = v^T covariance v, and their mean."""
+
+    covariance: torch.Tensor  # (D, D), symmetric PSD
+    mean: torch.Tensor  # (D,)
+
+
+def _square_root(covariance: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric C^(1/2) and C^(-1/2) of C + ridge * mean(diag C) * I (the ridge keeps unseen directions alive)."""
+    c = covariance.to(COMPUTE_DTYPE)
+    c = 0.5 * (c + c.T)
+    size = c.shape[0]
+    shift = ridge * float(c.diagonal().mean().clamp_min(1e-12))
+    values, vectors = torch.linalg.eigh(c + shift * torch.eye(size, dtype=c.dtype))
+    values = values.clamp_min(shift)
+    root = (vectors * values.sqrt()) @ vectors.T
+    inverse_root = (vectors * values.rsqrt()) @ vectors.T
+    return root, inverse_root
+
+
+def whiten(products: HeadProducts, query_metric: InputMetric, key_metric: InputMetric, ridge: float = 1e-3,
+           inverses: bool = False):
+    """The head products as the logits see them: (W_Q^(i) C_x^(1/2), W_K^(i) C_y^(1/2))."""
+    query_root, query_inverse = _square_root(query_metric.covariance, ridge)
+    key_root, key_inverse = _square_root(key_metric.covariance, ridge)
+    whitened = HeadProducts(products.query_heads @ query_root, products.key_heads @ key_root)
+    return (whitened, (query_inverse, key_inverse)) if inverses else whitened
+
+
+def fit_calibrated(
+    products: HeadProducts,
+    rank: int,
+    query_metric: InputMetric,
+    key_metric: InputMetric,
+    max_iterations: int = 500,
+    tolerance: float = 1e-3,
+    ridge: float = 1e-3,
+    device: str | torch.device = "cpu",
+) -> tuple[FitResult, torch.Tensor]:
+    """Fit the collaborative factors to the logits on real inputs rather than to the raw products.
+
+    The logit error of head i on a query x and key y is x^T (T_i - T~_i) y. Over calibration inputs its mean
+    square is ||C_x^(1/2) (T_i - T~_i) C_y^(1/2)||_F^2, so fitting the whitened products
+    (W_Q^(i) C_x^(1/2), W_K^(i) C_y^(1/2)) minimises it, with the same algorithm. The key covariance is taken
+    around each sequence's own mean: an error that is the same for every key of a sequence only shifts the
+    softmax and costs nothing, so no rank is spent on it. The query covariance is centred too, because the
+    query mean's share of the error, mu_x^T (T_i - T~_i) y, is a per-key linear term that the content bias
+    absorbs exactly: that correction is returned (N_h x D_in) for the caller to add to the content bias.
+    """
+    whitened, (query_inverse, key_inverse) = whiten(products, query_metric, key_metric, ridge, inverses=True)
+    fit = fit_collaborative(whitened, rank, max_iterations, tolerance, device)
+    factors = CollaborativeFactors(
+        query_inverse @ fit.factors.shared_query, key_inverse @ fit.factors.shared_key, fit.factors.mixing
+    ).balanced()
+    # mu_x^T (T_i - T~_i) for every head, without forming T: (mu Q_i^T) K_i - ((mu Q~) * m_i) K~^T
+    mean = query_metric.mean.to(COMPUTE_DTYPE)
+    exact = torch.einsum("hdq,q,hdk->hk", products.query_heads, mean, products.key_heads)
+    approximate = ((mean @ factors.shared_query) * factors.mixing) @ factors.shared_key.T
+    correction = exact - approximate
+    # The reported error is the whitened one: the share of logit energy on real inputs that is lost. The
+    # truncation of the whitened products is no baseline for the raw ones: not reported.
+    return replace(fit, factors=factors, per_head_truncation_error=None), correction

@@ -1,0 +1,108 @@
+"""Decomposition methods by name: the one place a method is registered.
+
+A method turns a FitRequest (one layer's products, the rank, and optionally how real inputs are distributed)
+into a LayerFit. Adding a method is one module with its fit function plus one entry in METHODS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .als import FitResult, fit_collaborative
+from .calibrated import InputMetric, fit_calibrated
+from .products import CollaborativeFactors, HeadProducts, relative_error
+from .reference import fit_reference_parafac
+from .spectra import key_side_matrix, query_side_matrix
+
+
+@dataclass(frozen=True)
+class FitRequest:
+    products: HeadProducts
+    rank: int
+    max_iterations: int = 500
+    tolerance: float = 1e-3
+    device: str = "cpu"
+    seed: int = 0
+    # With calibration: how the query- and key-side inputs of this layer are distributed on real text.
+    query_metric: InputMetric | None = None
+    key_metric: InputMetric | None = None
+
+    @property
+    def calibrated(self) -> bool:
+        return self.query_metric is not None
+
+
+@dataclass
+class LayerFit:
+    factors: CollaborativeFactors
+    relative_error: float  # of the raw head products
+    logit_error: float | None  # calibrated fits: share of logit energy on the calibration inputs lost
+    content_bias_correction: torch.Tensor | None  # calibrated fits: added to the exact content bias
+    per_head_truncation_error: float | None
+    initialisation: str
+    iterations: int
+    query_spectrum: torch.Tensor  # singular values of the query-/key-side unfoldings, for reports
+    key_spectrum: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    fit: Callable[[FitRequest], LayerFit]
+    calibrates: bool  # whether it can use calibration statistics
+    description: str
+
+
+def _layer_fit(request: FitRequest, fit: FitResult, logit_error=None, correction=None) -> LayerFit:
+    products = request.products
+    return LayerFit(
+        factors=fit.factors,
+        relative_error=relative_error(products, fit.factors) if logit_error is not None else fit.relative_error,
+        logit_error=logit_error,
+        content_bias_correction=correction,
+        per_head_truncation_error=fit.per_head_truncation_error,
+        initialisation=fit.initialisation,
+        iterations=fit.iterations,
+        query_spectrum=_known_or(fit.query_spectrum, products, query_side_matrix),
+        key_spectrum=_known_or(fit.key_spectrum, products, key_side_matrix),
+    )
+
+
+def _known_or(known: torch.Tensor | None, products: HeadProducts, side) -> torch.Tensor:
+    return known if known is not None else torch.linalg.svdvals(side(products))
+
+
+def fit_tucker_cp_als(request: FitRequest) -> LayerFit:
+    if request.calibrated:
+        # The ALS is cheap next to calibration, so calibrated fits run it to a tight tolerance.
+        fit, correction = fit_calibrated(
+            request.products, request.rank, request.query_metric, request.key_metric, request.max_iterations,
+            min(request.tolerance, 1e-5), device=request.device,
+        )
+        return _layer_fit(request, fit, logit_error=fit.relative_error, correction=correction)
+    fit = fit_collaborative(request.products, request.rank, request.max_iterations, request.tolerance, request.device)
+    return _layer_fit(request, fit)
+
+
+def fit_reference(request: FitRequest) -> LayerFit:
+    return _layer_fit(request, fit_reference_parafac(request.products, request.rank, seed=request.seed))
+
+
+METHODS: dict[str, Method] = {
+    method.name: method
+    for method in (
+        Method("tucker-cp-als", fit_tucker_cp_als, calibrates=True,
+               description="ours: Tucker compression, then CP-ALS on the factored core"),
+        Method("reference-parafac", fit_reference, calibrates=False,
+               description="the paper's: TensorLy parafac on the dense tensor, random start"),
+    )
+}
+
+
+def method_named(name: str) -> Method:
+    if name not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {name!r}")
+    return METHODS[name]

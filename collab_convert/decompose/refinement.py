@@ -1,0 +1,138 @@
+"""Recovery without labels: refine collaborative factors against the original layer's attention.
+
+The calibrated fit minimises the logit error over every (query, key) pair, but softmax only listens to the
+keys that win. Layer by layer, this refines shared_query, shared_key, mixing and content_bias so that each
+head's attention distribution on the calibration sequences matches the original's (mean KL divergence),
+starting from the calibrated fit and keeping whichever is better. Pure torch math: no model, no files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .products import CollaborativeFactors
+
+
+def _log_softmax(scores: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(scores.masked_fill(~key_mask, float("-inf")), dim=-1)
+
+
+@dataclass
+class RefineResult:
+    factors: CollaborativeFactors
+    content_bias: torch.Tensor
+    kl_before: float
+    kl_after: float
+    steps: int
+
+
+def _pad(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    length = max(s.shape[0] for s in sequences)
+    padded = torch.zeros(len(sequences), length, sequences[0].shape[1])
+    mask = torch.zeros(len(sequences), length, dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        padded[i, : s.shape[0]] = s
+        mask[i, : s.shape[0]] = True
+    return padded, mask
+
+
+def _buckets(queries: list[torch.Tensor], keys: list[torch.Tensor], size: int):
+    """Sequences sorted by length and cut into batches, so padding costs little in an n^2 score matrix."""
+    order = sorted(range(len(queries)), key=lambda i: (queries[i].shape[0], keys[i].shape[0]))
+    for start in range(0, len(order), size):
+        chosen = order[start : start + size]
+        yield [queries[i] for i in chosen], [keys[i] for i in chosen]
+
+
+@dataclass
+class _Batch:
+    """Padded inputs of a few sequences and the original attention they should reproduce."""
+
+    x: torch.Tensor  # (B, n, D) query-side inputs
+    y: torch.Tensor  # (B, m, D) key-side inputs
+    key_mask: torch.Tensor  # (B, 1 | H, n | 1, m): which keys each query may see
+    valid: torch.Tensor  # (B, H, n): which (sequence, head, query) rows count
+    target: torch.Tensor  # (B, H, n, m) log-probabilities of the original attention
+    target_p: torch.Tensor
+
+
+@torch.no_grad()
+def _original_attention(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal):
+    heads, d_k = num_heads, query_weight.shape[0] // num_heads
+    batches = []
+    for query_list, key_list in _buckets(queries, keys, 32):
+        x, x_mask = _pad(query_list)
+        y, y_mask = _pad(key_list)
+        key_mask = y_mask[:, None, None, :]
+        if causal:
+            positions = torch.arange(x.shape[1])
+            key_mask = key_mask & (positions[None, :] <= positions[:, None])[None, None]
+        valid = x_mask[:, None, :].expand(-1, heads, -1)
+        q = x @ query_weight.float().T + (query_bias.float() if query_bias is not None else 0.0)
+        k = y @ key_weight.float().T
+        q = q.view(*q.shape[:2], heads, d_k).transpose(1, 2)
+        k = k.view(*k.shape[:2], heads, d_k).transpose(1, 2)
+        target = _log_softmax(torch.matmul(q, k.transpose(-1, -2)) * scaling, key_mask)
+        batches.append(_Batch(x, y, key_mask, valid, target, target.exp()))
+    return batches
+
+
+def _collaborative_kl(parameters, batch: _Batch, scaling: float, rows: int) -> torch.Tensor:
+    shared_query, shared_key, mixing, bias = parameters
+    per_head_q = (batch.x @ shared_query).unsqueeze(1) * mixing[None, :, None, :]  # (B, H, n, R)
+    scores = torch.matmul(per_head_q, (batch.y @ shared_key).unsqueeze(1).transpose(-1, -2))
+    scores = (scores + (batch.y @ bias.T).transpose(1, 2).unsqueeze(2)) * scaling
+    kl = (batch.target_p * (batch.target - _log_softmax(scores, batch.key_mask))).nan_to_num(0.0).sum(-1)
+    return kl[batch.valid].sum() / rows
+
+
+def refine_attention(
+    queries: list[torch.Tensor],
+    keys: list[torch.Tensor],
+    query_weight: torch.Tensor,
+    query_bias: torch.Tensor | None,
+    key_weight: torch.Tensor,
+    factors: CollaborativeFactors,
+    content_bias: torch.Tensor,
+    num_heads: int,
+    scaling: float,
+    causal: bool = False,
+    steps: int = 150,
+    learning_rate: float = 2e-3,
+) -> RefineResult:
+    """Adam on the mean KL(original || collaborative) of every head's attention over the given sequences."""
+    batches = _original_attention(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal)
+    rows = sum(int(b.valid.sum()) for b in batches)
+    start = (factors.shared_query, factors.shared_key, factors.mixing, content_bias)
+    parameters = [t.float().clone().requires_grad_(True) for t in start]
+
+    def total_loss() -> float:
+        with torch.no_grad():
+            return float(sum(_collaborative_kl(parameters, b, scaling, rows) for b in batches))
+
+    # Adam steps are scale-free per parameter; a step of `learning_rate` times each tensor's typical entry.
+    optimizer = torch.optim.Adam(
+        [{"params": [p], "lr": learning_rate * float(p.detach().abs().mean().clamp_min(1e-8))} for p in parameters]
+    )
+    best_loss = initial = total_loss()
+    best = [p.detach().clone() for p in parameters]
+    taken = 0
+    for taken in range(1, steps + 1):
+        optimizer.zero_grad()
+        loss = 0.0
+        for batch in batches:  # full-batch gradient, accumulated bucket by bucket
+            part = _collaborative_kl(parameters, batch, scaling, rows)
+            part.backward()
+            loss += part.item()
+        if loss < best_loss:  # the parameters that gave this loss, before the step moves them
+            best_loss, best = loss, [p.detach().clone() for p in parameters]
+        optimizer.step()
+    with torch.no_grad():
+        for p, b in zip(parameters, best):
+            p.copy_(b)
+    final = total_loss()
+    dtype = factors.shared_query.dtype
+    refined = CollaborativeFactors(*(p.detach().to(dtype) for p in parameters[:3]))
+    return RefineResult(refined, parameters[3].detach().to(content_bias.dtype), initial, min(final, initial), taken)

@@ -1,0 +1,74 @@
+"""Spectra for the PCA redundancy analysis: singular values of the views of one layer's query/key block."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .products import COMPUTE_DTYPE, HeadProducts
+
+
+@dataclass
+class Spectra:
+    """Singular values of the views of one attention layer that the analysis reports."""
+
+    query_projection: torch.Tensor  # of W_Q (N_h*d_k x D_in): the concatenated heads
+    key_projection: torch.Tensor
+    query_unfolding: torch.Tensor  # of [T[1] ... T[N_h]] (D_in x N_h*D_in): the query-side shared subspace
+    key_unfolding: torch.Tensor  # of [T[1]^T ... T[N_h]^T]
+    head_unfolding: torch.Tensor  # of the head mode (N_h x D_in^2)
+
+
+def _block_cholesky_factor(heads: torch.Tensor) -> torch.Tensor:
+    """R_i^T with heads[i] heads[i]^T = R_i^T R_i, via QR of heads[i]^T (stable, no squaring)."""
+    _, r = torch.linalg.qr(heads.transpose(1, 2), mode="reduced")  # (H, d_k, d_k)
+    return r.transpose(1, 2)
+
+
+def query_side_matrix(products: HeadProducts) -> torch.Tensor:
+    """A D_in x (N_h d_k) matrix with the same left singular vectors and values as the query unfolding.
+
+    [T_1 ... T_N] [T_1 ... T_N]^T = sum_i Q_i^T (K_i K_i^T) Q_i = sum_i (Q_i^T R_i^T)(Q_i^T R_i^T)^T.
+    """
+    r_t = _block_cholesky_factor(products.key_heads)  # (H, d_k, d_k)
+    blocks = products.query_heads.transpose(1, 2) @ r_t  # (H, D_in, d_k)
+    return blocks.permute(1, 0, 2).reshape(products.input_dim, -1)
+
+
+def key_side_matrix(products: HeadProducts) -> torch.Tensor:
+    return query_side_matrix(HeadProducts(products.key_heads, products.query_heads))
+
+
+def head_gram(products: HeadProducts) -> torch.Tensor:
+    """<T_i, T_j> = tr((Q_i Q_j^T)(K_j K_i^T)), an N_h x N_h matrix from d_k-sized blocks."""
+    qq = torch.einsum("iad,jbd->ijab", products.query_heads, products.query_heads)
+    kk = torch.einsum("iad,jbd->ijab", products.key_heads, products.key_heads)
+    return torch.einsum("ijab,ijab->ij", qq, kk)
+
+
+def spectra(products: HeadProducts) -> Spectra:
+    total = products.full_rank
+    q_proj = products.query_heads.reshape(total, -1)
+    k_proj = products.key_heads.reshape(total, -1)
+    head_eigs = torch.linalg.eigvalsh(head_gram(products)).flip(0).clamp_min(0).sqrt()
+    return Spectra(
+        query_projection=torch.linalg.svdvals(q_proj),
+        key_projection=torch.linalg.svdvals(k_proj),
+        query_unfolding=torch.linalg.svdvals(query_side_matrix(products)),
+        key_unfolding=torch.linalg.svdvals(key_side_matrix(products)),
+        head_unfolding=head_eigs,
+    )
+
+
+def energy_rank(singular_values: torch.Tensor, share: float) -> int:
+    """Smallest number of leading dimensions whose squared singular values hold `share` of the total."""
+    energy = singular_values.to(COMPUTE_DTYPE) ** 2
+    total = float(energy.sum())
+    if total == 0:
+        return 0
+    cumulative = torch.cumsum(energy, 0) / total
+    # A tiny slack keeps share=1.0 from tripping over rounding in the last place.
+    return int(torch.searchsorted(cumulative, torch.tensor(share - 1e-12, dtype=COMPUTE_DTYPE)).item()) + 1
+
+

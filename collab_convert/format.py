@@ -1,0 +1,140 @@
+"""The collaborative checkpoint format, in one place: tensor names, shapes and values, and the record of the
+transform in config.json's `quantization_config`.
+
+For each attention module P recorded in the config, the query and key projections are gone and four tensors
+take their place:
+
+    P.shared_query.weight  (R, D_in)    x -> x W~_Q, shared by every head (nn.Linear layout)
+    P.shared_key.weight    (R, D_in)    y -> y W~_K, shared by every head
+    P.mixing               (N_h, R)     head i scores with x W~_Q diag(mixing[i]) W~_K^T y^T
+    P.content_bias         (N_h, D_in)  head i adds y . content_bias[i] (what the query bias did)
+
+Where a family fuses query, key and value into one projection, the value part stays as
+P.value_projection.weight / .bias, in the original layout. The writer (compress), the loader (the quantizer
+in integration/) and the docs (docs/format.md) all read these names from here. Plain Python and torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .io.tensors import TensorSpec
+from .version import __version__
+
+QUANT_METHOD = "collaborative"
+FORMAT_VERSION = 1
+
+SHARED_QUERY = "shared_query.weight"
+SHARED_KEY = "shared_key.weight"
+MIXING = "mixing"
+CONTENT_BIAS = "content_bias"
+COLLABORATIVE_TENSORS = (SHARED_QUERY, SHARED_KEY, MIXING, CONTENT_BIAS)
+FUSED_VALUE = "value_projection"  # what is left of a fused query/key/value projection: the values
+
+
+@dataclass(frozen=True)
+class HeadCounts:
+    """Heads of one attention module: kv_heads equals num_heads without grouping."""
+
+    num_heads: int
+    kv_heads: int
+
+
+@dataclass(frozen=True)
+class LayerFormat:
+    """The shapes that one collaborative attention module stores."""
+
+    rank: int
+    num_heads: int
+    query_input_dim: int
+    key_input_dim: int
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {
+            SHARED_QUERY: (self.rank, self.query_input_dim),
+            SHARED_KEY: (self.rank, self.key_input_dim),
+            MIXING: (self.num_heads, self.rank),
+            CONTENT_BIAS: (self.num_heads, self.key_input_dim),
+        }
+
+    def specs(self, prefix: str, dtype: torch.dtype) -> list[TensorSpec]:
+        return [TensorSpec(f"{prefix}.{suffix}", dtype, shape) for suffix, shape in self.shapes().items()]
+
+
+def collaborative_tensors(prefix: str, shared_query: torch.Tensor, shared_key: torch.Tensor, mixing: torch.Tensor,
+                          content_bias: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Factors in math layout (D_in x R for the shared projections) -> checkpoint tensors in `dtype`."""
+    values = {SHARED_QUERY: shared_query.T, SHARED_KEY: shared_key.T, MIXING: mixing, CONTENT_BIAS: content_bias}
+    return {f"{prefix}.{suffix}": values[suffix].to(dtype).contiguous() for suffix in COLLABORATIVE_TENSORS}
+
+
+class FormatConfig:
+    """What collab-convert did to the checkpoint, as config.json's `quantization_config` records it: enough to
+    rebuild the modules before loading. Writes (to_dict) and reads (the constructor, which refuses formats newer
+    than this tool)."""
+
+    def __init__(
+        self,
+        family: str,
+        layers: dict[str, dict[str, Any]],
+        format_version: int = FORMAT_VERSION,
+        tool_version: str | None = None,
+        method: str | None = None,
+        **kwargs: Any,
+    ):
+        self.quant_method = QUANT_METHOD
+        self.format_version = format_version
+        self.family = family
+        self.layers = layers
+        self.tool_version = tool_version
+        self.method = method
+        for key, value in kwargs.items():  # keep fields written by newer versions
+            if key != "quant_method":
+                setattr(self, key, value)
+        if int(format_version) > FORMAT_VERSION:
+            raise ValueError(
+                f"this checkpoint uses collaborative format {format_version}; upgrade collab-convert to load it"
+            )
+
+    @staticmethod
+    def layer_entry(rank: int, heads: HeadCounts) -> dict[str, int]:
+        """One layer's record; kv_heads only where keys are grouped (fewer key than query heads)."""
+        grouped = {"kv_heads": heads.kv_heads} if heads.kv_heads != heads.num_heads else {}
+        return {"rank": rank, "num_heads": heads.num_heads, **grouped}
+
+    def layer_shapes(self) -> dict[str, tuple[int, HeadCounts]]:
+        """Module prefix -> (rank, heads), as recorded."""
+        shapes = {}
+        for prefix, entry in self.layers.items():
+            num_heads = int(entry["num_heads"])
+            shapes[prefix] = (int(entry["rank"]), HeadCounts(num_heads, int(entry.get("kv_heads") or num_heads)))
+        return shapes
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dict(self.__dict__)
+        data["quant_method"] = QUANT_METHOD
+        return data
+
+    def to_diff_dict(self) -> dict[str, Any]:
+        return self.to_dict()
+
+
+def is_collaborative(config: dict[str, Any]) -> bool:
+    return (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
+
+
+def write_config(original: dict[str, Any], family: str, method: str, layers: dict[str, dict[str, int]],
+                 folder: Path) -> None:
+    """config.json of the output: the original's, untouched `architectures`/`model_type`, plus the record."""
+    config = dict(original)
+    record = FormatConfig(family=family, layers=layers, tool_version=__version__, method=method)
+    config["quantization_config"] = {
+        key: record.to_dict()[key]
+        for key in ("quant_method", "format_version", "tool_version", "method", "family", "layers")
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=False) + "\n", encoding="utf-8")

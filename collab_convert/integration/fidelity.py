@@ -1,0 +1,120 @@
+"""How close a compressed model stays to its base on real text: embedding cosines, next-token agreement."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..results import VerifyResult
+
+
+@torch.no_grad()
+def sentence_embeddings(model, tokenizer, texts: list[str], batch_size: int = 64, max_length: int = 128):
+    """Mean-pooled final hidden states over real tokens (the sentence-transformers recipe), L2-normalised."""
+    model.eval()
+    chunks = []
+    for start in range(0, len(texts), batch_size):
+        batch = tokenizer(
+            texts[start : start + batch_size],
+            padding=True,
+            truncation=True,
+            max_length=max_length,
+            return_tensors="pt",
+        )
+        hidden = model(**batch).last_hidden_state.float()
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+        chunks.append(torch.nn.functional.normalize(pooled, dim=-1))
+    return torch.cat(chunks)
+
+
+@dataclass
+class CosineStats:
+    mean: float
+    p01: float  # 1st percentile: the worst sentences
+    minimum: float
+    count: int
+
+
+def cosine_stats(reference: torch.Tensor, candidate: torch.Tensor) -> CosineStats:
+    cos = torch.nn.functional.cosine_similarity(reference.double(), candidate.double(), dim=-1)
+    return CosineStats(
+        mean=float(cos.mean()),
+        p01=float(torch.quantile(cos, 0.01)),
+        minimum=float(cos.min()),
+        count=int(cos.numel()),
+    )
+
+
+@torch.no_grad()
+def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: int = 128) -> tuple[float, float]:
+    """Top-1 agreement and mean KL(base || model) of next-token distributions, one text at a time."""
+    agree, total, kl_sum = 0, 0, 0.0
+    for text in texts:
+        ids = tokenizer(text, truncation=True, max_length=max_length, return_tensors="pt")["input_ids"]
+        if ids.shape[1] < 2:
+            continue
+        p = torch.log_softmax(base(input_ids=ids).logits.float(), -1)[0]
+        q = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]
+        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+        kl_sum += float((p.exp() * (p - q)).sum())
+        total += p.shape[0]
+    return agree / max(total, 1), kl_sum / max(total, 1)
+
+
+def verify(model: str, against: str, texts: list[str], thresholds: dict[str, float] | None = None,
+           max_length: int = 128) -> VerifyResult:
+    """Load both checkpoints and compare them on `texts`; list every threshold that fails."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    from ..io.folders import resolve_model
+    from ..errors import BadInputError
+    from .loading import register
+
+    register()
+    folder, base_folder = resolve_model(model), resolve_model(against)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as error:  # noqa: BLE001
+        raise BadInputError(f"{model} has no usable tokenizer: {error}") from None
+    config = AutoConfig.from_pretrained(base_folder)
+    causal = any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in (config.architectures or []))
+    base = AutoModel.from_pretrained(base_folder).eval()
+    compressed = AutoModel.from_pretrained(folder).eval()
+    cos = cosine_stats(
+        sentence_embeddings(base, tokenizer, texts, max_length=max_length),
+        sentence_embeddings(compressed, tokenizer, texts, max_length=max_length),
+    )
+    result = VerifyResult(model, against, len(texts), cos.mean, cos.p01, cos.minimum)
+    if causal:
+        result.top1_agreement, result.kl_mean = next_token_agreement(
+            AutoModelForCausalLM.from_pretrained(folder).eval(),
+            AutoModelForCausalLM.from_pretrained(base_folder).eval(),
+            tokenizer, texts, max_length,
+        )
+    result.failures = threshold_failures(result, thresholds or {})
+    return result
+
+
+# threshold name -> (result field, passes(value, threshold))
+_CHECKS = {
+    "min_cosine": ("cosine_mean", lambda v, t: v >= t),
+    "min_cosine_p01": ("cosine_p01", lambda v, t: v >= t),
+    "min_top1": ("top1_agreement", lambda v, t: v is not None and v >= t),
+    "max_kl": ("kl_mean", lambda v, t: v is not None and v <= t),
+}
+
+
+def threshold_failures(result: VerifyResult, thresholds: dict[str, float | None]) -> list[str]:
+    """One line per threshold the result fails, in the words of the CLI flag."""
+    failures = []
+    for name, threshold in thresholds.items():
+        if threshold is None:
+            continue
+        field, passes = _CHECKS[name]
+        value = getattr(result, field)
+        if not passes(value, threshold):
+            shown = "n/a (not a language model)" if value is None else f"{value:.4f}"
+            failures.append(f"{field} {shown} fails --{name.replace('_', '-')} {threshold}")
+    return failures

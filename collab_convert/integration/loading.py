@@ -1,0 +1,83 @@
+"""Loading collaborative checkpoints through transformers' own from_pretrained.
+
+The checkpoint records the transform under config.json's `quantization_config` (quant_method
+"collaborative"), next to untouched `architectures` and `model_type`. Importing collab_convert registers a
+quantization config and quantizer for that method; the quantizer swaps the recorded attention modules for
+their collaborative form while the model skeleton is still empty, so the weights load by name. This uses
+transformers' public registration API and no remote code.
+"""
+
+from __future__ import annotations
+
+
+from transformers import AutoConfig, AutoModel
+from transformers.quantizers import (
+    HfQuantizer,
+    register_quantization_config,
+    register_quantizer,
+)
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+)
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from ..architectures.families import family_named
+from ..format import QUANT_METHOD, FormatConfig
+from ..modeling.collaborative import collaborate_model
+
+
+class CollaborativeConfig(FormatConfig, QuantizationConfigMixin):
+    """The format's record (format.py), as the quantization config transformers reads and writes."""
+
+
+class CollaborativeQuantizer(HfQuantizer):
+    requires_calibration = False
+
+    def __init__(self, quantization_config: CollaborativeConfig, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+
+    def _process_model_before_weight_loading(self, model, **kwargs):
+        config = self.quantization_config
+        collaborate_model(model, family_named(config.family), config.layer_shapes(),
+                          getattr(model, "base_model_prefix", None))
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        return model
+
+    def is_serializable(self, safe_serialization=None):
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return True
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+def register() -> None:
+    """Idempotent: importing collab_convert twice, or reloading it, must not fail."""
+    if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(QUANT_METHOD)(CollaborativeConfig)
+    if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(QUANT_METHOD)(CollaborativeQuantizer)
+
+
+def load_model(path, auto_class=None, **kwargs):
+    """Load a collaborative checkpoint (or any model) with the Auto class its config names.
+
+    `auto_class` defaults to the task-specific class when config.json names one architecture transformers
+    knows (BertForMaskedLM -> that class), else AutoModel.
+    """
+    register()
+    if auto_class is None:
+        config = AutoConfig.from_pretrained(path)
+        import transformers
+
+        architectures = getattr(config, "architectures", None) or []
+        auto_class = getattr(transformers, architectures[0], None) if len(architectures) == 1 else None
+        auto_class = auto_class or AutoModel
+    return auto_class.from_pretrained(path, **kwargs)

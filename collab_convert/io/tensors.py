@@ -1,0 +1,255 @@
+"""Tensors on disk: reading them lazily, writing them as streamed safetensors shards. Knows nothing of the math.
+
+Reading never unpickles: safetensors are memory-mapped one shard at a time, and a legacy pytorch_model.bin
+is opened only with torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import BadInputError
+
+class TensorReader:
+    """Name -> tensor, loaded on demand. Safetensors shards are opened lazily and memory-mapped.
+
+    `rename` maps the file's keys to the names callers use (the loaded model's naming, see naming.py).
+    """
+
+    def __init__(self, folder: Path, rename=None):
+        self.folder = folder
+        self._location: dict[str, Path] = {}
+        self._key: dict[str, str] = {}  # name -> key in the file
+        self._open: dict[Path, Any] = {}
+        self._bin_cache: dict[Path, dict[str, torch.Tensor]] = {}
+        files = self._weight_files(folder)
+        for file in files:
+            for key in self._names_in(file):
+                name = rename(key) if rename else key
+                if name in self._location:
+                    raise BadInputError(f"tensor {name} appears twice in the checkpoint")
+                self._location[name] = file
+                self._key[name] = key
+
+    @staticmethod
+    def _weight_files(folder: Path) -> list[Path]:
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index = folder / index_name
+            if index.is_file():
+                try:
+                    weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                except (OSError, ValueError, KeyError, TypeError) as error:
+                    raise BadInputError(f"{index} is not a valid weight index: {error}") from None
+                files = sorted({folder / f for f in weight_map.values()})
+                missing = [f.name for f in files if not f.is_file()]
+                if missing:
+                    raise BadInputError(f"{index} names shards that are missing: {', '.join(missing[:3])}")
+                return files
+        single = folder / "model.safetensors"
+        if single.is_file():
+            return [single]
+        legacy = folder / "pytorch_model.bin"
+        if legacy.is_file():
+            return [legacy]
+        raise BadInputError(f"{folder} has no model.safetensors or pytorch_model.bin")
+
+    def _names_in(self, file: Path) -> list[str]:
+        if file.suffix == ".safetensors":
+            return list(self._handle(file).keys())
+        return list(self._load_bin(file).keys())
+
+    def _handle(self, file: Path):
+        if file not in self._open:
+            from safetensors import safe_open
+
+            try:
+                self._open[file] = safe_open(str(file), framework="pt")
+            except Exception as error:  # noqa: BLE001 - safetensors raises several types for bad files
+                raise BadInputError(f"{file.name} is not a readable safetensors file: {error}") from None
+        return self._open[file]
+
+    def _load_bin(self, file: Path) -> dict[str, torch.Tensor]:
+        if file not in self._bin_cache:
+            try:
+                # weights_only: a pickle can run code; this refuses anything but tensors and plain containers.
+                try:
+                    state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError as error:
+                    if "mmap" not in str(error):
+                        raise
+                    # pre-zipfile checkpoints (torch < 1.6) cannot be memory-mapped; still weights_only
+                    state = torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as error:  # noqa: BLE001
+                first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                raise BadInputError(f"{file.name} could not be loaded safely as weights: {first}") from None
+            if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+                raise BadInputError(f"{file.name} does not hold a flat dictionary of tensors")
+            self._bin_cache[file] = state
+        return self._bin_cache[file]
+
+    def names(self) -> list[str]:
+        return list(self._location)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._location
+
+    def get(self, name: str) -> torch.Tensor:
+        file, key = self._location[name], self._key[name]
+        try:
+            if file.suffix == ".safetensors":
+                return self._handle(file).get_tensor(key)
+            return self._load_bin(file)[key]
+        except BadInputError:
+            raise
+        except Exception as error:  # noqa: BLE001 - truncated files fail here, not at open
+            raise BadInputError(f"tensor {name} in {file.name} could not be read: {error}") from None
+
+    def spec(self, name: str) -> TensorSpec:
+        """dtype and shape, read from the safetensors header without loading the tensor."""
+        file, key = self._location[name], self._key[name]
+        if file.suffix == ".safetensors":
+            view = self._handle(file).get_slice(key)
+            dtype = {v: k for k, v in SAFETENSORS_DTYPES.items()}[view.get_dtype()]
+            return TensorSpec(name, dtype, tuple(view.get_shape()))
+        tensor = self._load_bin(file)[key]
+        return TensorSpec(name, tensor.dtype, tuple(tensor.shape))
+
+    def release_all_but(self, name: str) -> None:
+        """Unmap every safetensors shard except the one holding `name`: reading shard by shard, the pages
+        of finished shards leave the process instead of piling up in its resident memory."""
+        keep = self._location.get(name)
+        for file in [f for f in self._open if f != keep]:
+            del self._open[file]
+
+    def close(self) -> None:
+        self._open.clear()
+        self._bin_cache.clear()
+
+
+def parse_size(text: str | int) -> int:
+    """'500MB', '2GB', '1GiB' or a byte count."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", str(text), flags=re.IGNORECASE)
+    if not match:
+        raise BadInputError(f"cannot read '{text}' as a size; write it like 500MB or 2GB")
+    number, unit, binary = match.groups()
+    base = 1024 if binary else 1000
+    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit.upper()]
+    return int(float(number) * base**power)
+
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+
+class ShardWriter:
+    """Writes safetensors shards as tensors arrive, holding one tensor in memory at a time.
+
+    A safetensors file starts with a header naming every tensor's dtype, shape and offset, so the writer is
+    given the specs of all tensors, in the order they will come, before the first byte is written. Shards
+    are cut before a tensor that would take one over `max_shard_bytes`. One shard is `model.safetensors`;
+    several get an index, as transformers writes them.
+    """
+
+    def __init__(self, folder: Path, specs: list[TensorSpec], max_shard_bytes: int = 5 * 10**9):
+        self.folder = folder
+        self.specs = specs
+        self.shards: list[list[TensorSpec]] = []
+        size = 0
+        if not specs:
+            raise ValueError("a checkpoint needs at least one tensor")
+        for spec in specs:
+            if not self.shards or (size + spec.nbytes > max_shard_bytes and self.shards[-1]):
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append(spec)
+            size += spec.nbytes
+        count = len(self.shards)
+        self.files = (
+            ["model.safetensors"]
+            if count == 1
+            else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+        )
+        self._position = 0  # index into specs of the next tensor expected
+        self._shard = -1
+        self._handle = None
+
+    def _open_next_shard(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+        self._shard += 1
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for spec in self.shards[self._shard]:
+            header[spec.name] = {
+                "dtype": SAFETENSORS_DTYPES[spec.dtype],
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
+            offset += spec.nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data buffer starts 8-byte aligned
+        self._handle = open(self.folder / self.files[self._shard], "wb")
+        self._handle.write(len(encoded).to_bytes(8, "little"))
+        self._handle.write(encoded)
+        self._remaining = len(self.shards[self._shard])
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        spec = self.specs[self._position]
+        if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+            raise RuntimeError(
+                f"writer expected {spec.name} {spec.dtype} {spec.shape}, got {name} {tensor.dtype} {tuple(tensor.shape)}"
+            )
+        if self._handle is None or self._remaining == 0:
+            self._open_next_shard()
+        data = tensor.detach().contiguous().reshape(-1)
+        if data.numel():
+            self._handle.write(data.view(torch.uint8).numpy().tobytes())
+        self._remaining -= 1
+        self._position += 1
+
+    def finish(self) -> list[str]:
+        if self._position != len(self.specs):
+            raise RuntimeError(f"writer got {self._position} of {len(self.specs)} tensors")
+        if self._handle is not None:
+            self._handle.close()
+        if len(self.files) == 1:
+            return list(self.files)
+        weight_map = {spec.name: self.files[i] for i, shard in enumerate(self.shards) for spec in shard}
+        total = sum(spec.nbytes for spec in self.specs)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return self.files + ["model.safetensors.index.json"]

@@ -1,0 +1,109 @@
+"""The collaborative score path: the attention function collaborative modules dispatch to.
+
+The module's query projection returns the shared query x W~_Q and its key projection the packed shared key
+[y W~_K, y r_1 .. y r_N], each zero-padded to whole head_dim chunks, so the module's own forward reshapes them
+into "pseudo-heads" without knowing. The module sees a config view whose attention implementation is
+"collaborative"; that function unpacks the pseudo-heads, forms per-head queries [x W~_Q diag(m_i), 1] and keys
+[y W~_K, y r_i], and calls the model's real implementation (eager or sdpa; flash kernels need equal head
+sizes and are refused) with the original 1/sqrt(d_k) scaling, masks and everything else untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+ATTENTION_NAME = "collaborative"
+
+
+class CollaborativeConfigView:
+    """The attention module's config: the model's own, except that attention dispatches collaboratively.
+
+    It reads through to the live model config, so set_attn_implementation() on the model still decides
+    which real implementation runs underneath.
+    """
+
+    def __init__(self, base):
+        object.__setattr__(self, "_base", base)
+
+    def __getattr__(self, name: str):
+        if name == "_base":  # during unpickling, before __init__ ran
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._base, name, value)
+
+    @property
+    def _attn_implementation(self) -> str:
+        return ATTENTION_NAME
+
+
+def unpack_pseudo_heads(module, query: torch.Tensor, key: torch.Tensor):
+    """(B, P, n, d) pseudo-heads back into per-head queries (B, N_h, n, R+1) and keys (B, N_h, m, R+1)."""
+    heads, rank = module.mixing.shape
+    batch = query.shape[0]
+    shared_query = query.transpose(1, 2).reshape(batch, query.shape[2], -1)[..., :rank]
+    packed_key = key.transpose(1, 2).reshape(batch, key.shape[2], -1)
+    shared_key, bias = packed_key[..., :rank], packed_key[..., rank : rank + heads]
+
+    queries = shared_query.unsqueeze(1) * module.mixing[None, :, None, :]
+    queries = torch.cat([queries, queries.new_ones(*queries.shape[:-1], 1)], dim=-1)
+    keys = shared_key.unsqueeze(1).expand(batch, heads, *shared_key.shape[1:])
+    keys = torch.cat([keys, bias.transpose(1, 2).unsqueeze(-1)], dim=-1)
+    return queries, keys
+
+
+def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Plain attention with the transformers attention-function signature, for modules without their own."""
+    weights = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = nn.functional.softmax(weights, dim=-1)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def _real_attention_function(module) -> Callable:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = module.config._base if isinstance(module.config, CollaborativeConfigView) else module.config
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    if implementation == "eager":
+        # The family's own eager function, where its modeling file has one (some add position biases).
+        own = getattr(sys.modules.get(module.collaborative_origin.__module__), "eager_attention_forward", None)
+        return own or eager_attention
+    if "flash" in implementation:
+        raise RuntimeError(
+            f"collaborative attention cannot run with {implementation}: its query/key heads (R+1) differ in size "
+            "from the value heads; load the model with attn_implementation='sdpa' or 'eager'"
+        )
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def collaborative_attention(module, query, key, value, attention_mask, **kwargs):
+    """The attention function collaborative modules dispatch to; plain modules pass straight through."""
+    if not getattr(module, "is_collaborative", False):
+        return _real_attention_function(module)(module, query, key, value, attention_mask, **kwargs)
+    queries, keys = unpack_pseudo_heads(module, query, key)
+    attend = _real_attention_function(module)
+    if value.shape[1] != queries.shape[1]:  # grouped values: the keys are per head already
+        value = value.repeat_interleave(queries.shape[1] // value.shape[1], dim=1)
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups == 1:
+        return attend(module, queries, keys, value, attention_mask, **kwargs)
+    # Keys and values now have one head per query head; the real function must not group them again.
+    module.num_key_value_groups = 1
+    try:
+        return attend(module, queries, keys, value, attention_mask, **kwargs)
+    finally:
+        module.num_key_value_groups = groups
+
+
+def register_attention_function() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, collaborative_attention)

@@ -1,0 +1,139 @@
+"""Turning an attention module into its collaborative form, in place.
+
+Its query and key projections are removed and the four tensors of the format (format.py) take their place:
+shared_query, shared_key, mixing, content_bias. The module keeps its own forward: transformers 5 attention
+modules all follow `q = self.<query>(h).view(..., -1, head_dim).transpose(1, 2)`, likewise for keys, then
+`ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation](self, q, k, v, mask, scaling=...)`, so handing them
+the shared query and the packed shared key and dispatching to the collaborative attention function (see
+attention.py) is enough. A KV cache stores the shared key: R + N_h numbers per token, not N_h d_k.
+
+Which projections to take off, and how, is the family's layout (architectures/layouts.py), handed in.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..format import FUSED_VALUE, HeadCounts
+from .attention import CollaborativeConfigView, register_attention_function
+
+
+def _padded(width: int, chunk: int) -> int:
+    return chunk * math.ceil(width / chunk)
+
+
+class CollaborativeMixin:
+    """Methods shared by every collaborative attention class (mixed into a subclass of the original)."""
+
+    is_collaborative = True
+
+    def collaborative_query(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_query(hidden_states)
+        return nn.functional.pad(shared, (0, self._query_width - shared.shape[-1]))
+
+    def collaborative_key(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_key(hidden_states)
+        bias = torch.matmul(hidden_states, self.content_bias.T)  # (..., N_h)
+        packed = torch.cat([shared, bias], dim=-1)
+        return nn.functional.pad(packed, (0, self._key_width - packed.shape[-1]))
+
+    def pseudo_heads(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shared query and packed shared key as (B, pseudo-heads, n, head_dim), for forwards of our own."""
+        shape = (*hidden_states.shape[:-1], -1, self.collaborative_head_dim)
+        return (
+            self.collaborative_query(hidden_states).view(shape).transpose(1, 2),
+            self.collaborative_key(hidden_states).view(shape).transpose(1, 2),
+        )
+
+    def collaborative_fused(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Stands in for a fused query/key/value projection: [shared query | packed shared key | values].
+
+        The module splits the result with self.split_size, which make_collaborative set to the three widths.
+        """
+        return torch.cat(
+            [
+                self.collaborative_query(hidden_states),
+                self.collaborative_key(hidden_states),
+                getattr(self, FUSED_VALUE)(hidden_states),
+            ],
+            dim=-1,
+        )
+
+    @property
+    def _query_width(self) -> int:
+        return _padded(self.mixing.shape[1], self.collaborative_head_dim)
+
+    @property
+    def _key_width(self) -> int:
+        return _padded(self.mixing.shape[1] + self.mixing.shape[0], self.collaborative_head_dim)
+
+
+_CLASS_CACHE: dict[tuple[type, str], type] = {}
+
+
+def _collaborative_class(original: type, family) -> type:
+    """A subclass of the original module class whose projections hand out the collaborative ones."""
+    cache_key = (original, family.name)
+    if cache_key not in _CLASS_CACHE:
+        members = family.layout.members()
+        if family.forward:
+            members["forward"] = family.forward
+        _CLASS_CACHE[cache_key] = type(
+            f"Collaborative{original.__name__}",
+            (CollaborativeMixin, original),
+            {**members, "collaborative_origin": original, "__module__": __name__},
+        )
+    return _CLASS_CACHE[cache_key]
+
+
+def make_collaborative(module: nn.Module, family, rank: int, heads) -> nn.Module:
+    """Turn one attention module into its collaborative form, in place, with uninitialised parameters.
+
+    `family` brings the layout (which projections to take off) and the forward, if the module needs ours;
+    `heads` the query and key/value head counts.
+    """
+    layout = family.layout
+    d_in, head_dim, weight = layout.module_dims(module, heads)
+    factory = {"device": weight.device, "dtype": weight.dtype}
+    layout.detach_projections(module, heads)
+    module.shared_query = nn.Linear(d_in, rank, bias=False, **factory)
+    module.shared_key = nn.Linear(d_in, rank, bias=False, **factory)
+    module.mixing = nn.Parameter(torch.zeros(heads.num_heads, rank, **factory))
+    module.content_bias = nn.Parameter(torch.zeros(heads.num_heads, d_in, **factory))
+    module.collaborative_head_dim = head_dim
+    # transformers' weight initialisation would reach for the removed projections (T5 initialises
+    # module.q.weight); the collaborative tensors come from the checkpoint, and start at zero otherwise.
+    module._is_hf_initialized = True
+    if hasattr(module, "config"):
+        module.config = CollaborativeConfigView(module.config)
+    module.__class__ = _collaborative_class(type(module), family)
+    layout.finish(module, heads)
+    return module
+
+
+def strip_prefix(name: str, prefix: str | None) -> str:
+    return name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
+
+
+def collaborate_model(model: nn.Module, family, layers: dict[str, tuple[int, HeadCounts]], base_prefix: str | None):
+    """Swap every attention module in `layers` (checkpoint prefix -> (rank, heads)) for its collaborative form.
+
+    Checkpoint prefixes and module names may differ by the base-model prefix (a BertModel checkpoint loaded
+    into BertForSequenceClassification gains "bert."), so both sides are compared without it.
+    """
+    register_attention_function()
+    wanted = {strip_prefix(name, base_prefix): spec for name, spec in layers.items()}
+    converted = []
+    for name, module in list(model.named_modules()):
+        spec = wanted.get(strip_prefix(name, base_prefix))
+        if spec is None or getattr(module, "is_collaborative", False):
+            continue
+        make_collaborative(module, family, *spec)
+        converted.append(name)
+    if len(converted) != len(wanted):
+        missing = sorted(set(wanted) - {strip_prefix(n, base_prefix) for n in converted})
+        raise ValueError(f"attention modules recorded in the checkpoint were not found in the model: {missing[:3]}")
+    return converted

@@ -1,0 +1,81 @@
+"""Forwards for families whose attention scores inline or names its head count in views, so the packed
+shared key needs a forward of our own. Each mirrors the transformers 5 original with collaborative queries and
+keys; the family entry in architectures/families.py points at it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..format import FUSED_VALUE
+from .attention import collaborative_attention, unpack_pseudo_heads
+
+
+def mpnet_forward(self, hidden_states, attention_mask=None, position_bias=None, output_attentions=False, **kwargs):
+    """MPNetSelfAttention.forward (transformers 5), which scores inline, with collaborative queries and keys."""
+    input_shape = hidden_states.shape[:-1]
+    queries, keys = unpack_pseudo_heads(self, *self.pseudo_heads(hidden_states))
+    values = self.v(hidden_states).view(*input_shape, -1, self.attention_head_size).transpose(1, 2)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) / math.sqrt(self.attention_head_size)
+    if position_bias is not None:
+        scores = scores + position_bias
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    probabilities = self.dropout(nn.functional.softmax(scores, dim=-1))
+    context = torch.matmul(probabilities, values).permute(0, 2, 1, 3).contiguous()
+    output = self.o(context.view(*context.shape[:-2], self.all_head_size))
+    return (output, probabilities) if output_attentions else (output,)
+
+
+def opt_forward(self, hidden_states, cache=None, attention_mask=None, output_attentions=False, **kwargs):
+    """OPTAttention.forward (transformers 5), whose views name the head count, with collaborative queries
+    and keys. The cache stores the packed shared key, not per-head keys."""
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
+    batch, length, _ = hidden_states.size()
+    queries, keys = self.pseudo_heads(hidden_states)
+    values = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
+    if cache is not None:
+        keys, values = cache.update(keys, values, self.layer_idx, kwargs=kwargs)
+    output, weights = collaborative_attention(
+        self,
+        queries,
+        keys,
+        values,
+        attention_mask,
+        dropout=0.0 if not self.training else self.dropout,
+        scaling=self.scaling,  # OPT scales its queries before the call; the product is the same
+        **kwargs,
+    )
+    return self.out_proj(output.reshape(batch, length, -1).contiguous()), weights
+
+
+def gpt_bigcode_forward(self, hidden_states, layer_past=None, attention_mask=None, **kwargs):
+    """GPTBigCodeAttention.forward (transformers 5, multi-query self-attention), whose c_attn split names
+    its widths, with collaborative queries and keys. Values keep their single shared head."""
+    if layer_past is None:
+        layer_past = kwargs.pop("past_key_values", None) or kwargs.pop("cache", None)
+    for unused in ("encoder_hidden_states", "encoder_attention_mask", "use_cache", "output_attentions"):
+        kwargs.pop(unused, None)
+    input_shape = hidden_states.shape[:-1]
+    queries, keys = self.pseudo_heads(hidden_states)
+    values = getattr(self, FUSED_VALUE)(hidden_states).unsqueeze(1)  # (B, 1, n, d): one value head
+    if layer_past is not None:
+        from transformers.cache_utils import EncoderDecoderCache
+
+        cache = layer_past.self_attention_cache if isinstance(layer_past, EncoderDecoderCache) else layer_past
+        keys, values = cache.update(keys, values, self.layer_idx, kwargs=kwargs)
+    output, weights = collaborative_attention(
+        self,
+        queries,
+        keys,
+        values,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attn_dropout,
+        scaling=self.scaling,
+        **kwargs,
+    )
+    output = self.c_proj(output.reshape(*input_shape, -1).contiguous())
+    return self.resid_dropout(output), weights

@@ -1,0 +1,116 @@
+"""The options of each job, in one place: names, defaults, validation and help texts.
+
+The Python API takes these models; the CLI generates its flags from them (cli.py), so a default or a help text
+is written once. A field's `json_schema_extra` may name its flags (`flags`) and the type the command line reads
+it as (`cli_type`, for values the CLI parses itself, like `--rank auto`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .decompose.methods import METHODS
+
+DEFAULT_METHOD = "tucker-cp-als"
+
+
+class CompressOptions(BaseModel):
+    """Options shared by the CLI and the Python API."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int | Literal["auto"] = Field(
+        description="Shared query/key dimension R for every layer, or 'auto' (see --energy).",
+        json_schema_extra={"flags": ["--rank", "-r"], "cli_type": str},
+    )
+    # With rank="auto": each layer gets the fewest shared dimensions holding this share of the energy of its
+    # head products (of the logits on the calibration text, when there is one).
+    energy: float = Field(
+        0.95, gt=0, le=1,
+        description="With --rank auto: share of (logit, with --calibration) energy each layer keeps.",
+    )
+    calibration: Path | None = Field(
+        None,
+        description="Text file (one example per line) or folder of .txt files: fit the logits on real inputs and "
+        "refine against the original attention.",
+    )
+    calibration_samples: int = Field(512, ge=1, description="Examples to read from --calibration at most.")
+    calibration_max_length: int = Field(128, ge=2, description="Tokens per calibration example at most.")
+    # With calibration: refine each layer against the original's attention distributions (KL), this many Adam
+    # steps on up to refine_samples calibration sequences. 0 turns refinement off.
+    refine_steps: int = Field(
+        100, ge=0, description="With --calibration: Adam steps per layer against the original attention (0: off)."
+    )
+    refine_samples: int = Field(256, ge=1, description="With --calibration: sequences the refinement looks at.")
+    output: Path = Field(
+        description="Folder to write the collaborative checkpoint to.",
+        json_schema_extra={"flags": ["--output", "-o"]},
+    )
+    seed: int = Field(0, description="Seed for anything random (the default fit has no random step).")
+    max_iterations: int = Field(500, ge=0, description="ALS iterations per layer at most.")
+    tolerance: float = Field(
+        1e-3, gt=0, description="Stop when an iteration improves the error by less than this share."
+    )
+    max_shard_size: int | str = Field(
+        "5GB", description="Largest safetensors shard, e.g. 500MB.", json_schema_extra={"cli_type": str}
+    )
+    # Where the ALS runs. Reading, writing and the small SVDs stay on the CPU.
+    device: str = Field("cpu", description="Run the decomposition on cpu or cuda[:N].")
+    method: str = Field(
+        DEFAULT_METHOD, description=" or ".join(f"{name} ({m.description.split(':')[0]})" for name, m in METHODS.items()) + "."
+    )
+    overwrite: bool = Field(False, description="Replace OUTPUT if it exists and is not empty.")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if value != "cpu" and not value.startswith("cuda"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {value!r}")
+        return value
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, value: str) -> str:
+        if value not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {value!r}")
+        return value
+
+    @field_validator("rank", mode="before")
+    @classmethod
+    def _rank(cls, value):
+        if isinstance(value, str) and value != "auto":
+            try:
+                value = int(value)
+            except ValueError:
+                raise ValueError(f"'{value}' is neither an integer nor 'auto'") from None
+        if value != "auto" and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"rank must be a positive integer or 'auto', got {value}")
+        return value
+
+
+class AnalyzeOptions(BaseModel):
+    """What analyze looks at beyond the model itself."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ranks: list[int] | None = Field(
+        None,
+        description="Comma-separated candidate ranks to cost, e.g. 64,128,192.",
+        json_schema_extra={"cli_type": str},
+    )
+    plot: Path | None = Field(None, description="Also draw the spectra into this PNG file.")
+
+    @field_validator("ranks", mode="before")
+    @classmethod
+    def _ranks(cls, value):
+        if isinstance(value, str):
+            try:
+                value = [int(part) for part in value.split(",") if part.strip()]
+            except ValueError:
+                raise ValueError(f"'{value}' is not a comma-separated list of integers") from None
+        if value is not None and (not value or any(v < 1 for v in value)):
+            raise ValueError("ranks must be positive integers")
+        return value

@@ -1,0 +1,82 @@
+"""The model card (README.md) of a compressed checkpoint: front matter that says where it came from, and prose."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..io.folders import EMBEDDED_MODELS, readme_front_matter
+
+if TYPE_CHECKING:
+    from ..results import CompressResult
+
+
+@dataclass
+class CardSource:
+    """What the card needs to know about the source model: no loaded model, just metadata."""
+
+    base_model: str | None  # a hub id, where one is known
+    front_matter: dict[str, Any] = field(default_factory=dict)  # of the source's own model card
+    license: str | None = None
+
+    @classmethod
+    def of(cls, model: str, folder: Path, config: dict[str, Any]) -> "CardSource":
+        front = readme_front_matter(folder)
+        return cls(_base_model_id(model, config), front, front.get("license") or config.get("license"))
+
+
+def write_model_card(result: "CompressResult", source: CardSource, folder: Path) -> list[str]:
+    original = source.front_matter
+    front = {
+        "base_model": source.base_model,
+        # The Hub knows adapter/merge/quantized/finetune; the transform loads through a quantization config.
+        "base_model_relation": "quantized",
+        "library_name": original.get("library_name", "transformers"),
+        "tags": sorted(set((original.get("tags") or []) + ["collaborative-attention", "collab-convert"])),
+    }
+    if source.license:
+        front["license"] = source.license
+    if original.get("pipeline_tag"):
+        front["pipeline_tag"] = original["pipeline_tag"]
+    import yaml
+
+    command = " ".join(shlex.quote(a) for a in ["collab-convert", *sys.argv[1:]]) if _from_cli() else None
+    body = [
+        "---",
+        yaml.safe_dump(front, sort_keys=False).strip(),
+        "---",
+        "",
+        f"# {source.base_model or result.model} with collaborative attention",
+        "",
+        f"Every attention layer of `{result.model}` was re-parametrized into collaborative multi-head attention "
+        "(Cordonnier, Loukas and Jaggi, 2020) by collab-convert "
+        f"{result.tool_version}: heads share one query and one key projection and each head keeps a mixing "
+        "vector.",
+        "",
+        f"- query/key parameters: {result.parameters_before:,} -> {result.parameters_after:,}",
+        f"- mean relative error of the head products: {result.mean_relative_error:.4f}",
+        "",
+        "Load it after `import collab_convert` with the usual Auto classes, or with `collab_convert.load_model`.",
+        "Details per layer are in report.md.",
+        "",
+    ]
+    if command:
+        body += ["Produced by:", "", "```", command, "```", ""]
+    (folder / "README.md").write_text("\n".join(body), encoding="utf-8")
+    return ["README.md"]
+
+
+def _from_cli() -> bool:
+    return Path(sys.argv[0]).name in ("collab-convert", "collab_convert") or sys.argv[0].endswith("__main__.py")
+
+
+def _base_model_id(model: str, config: dict[str, Any]) -> str | None:
+    if model in EMBEDDED_MODELS or (not Path(model).expanduser().exists() and "/" in model):
+        return model
+    name = config.get("_name_or_path")
+    return name if isinstance(name, str) and name and not Path(name).is_absolute() else None
+
+

@@ -1,0 +1,96 @@
+"""report.json, report.md and the model card of a compressed checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..decompose.costs import SEQUENCE_LENGTHS
+
+if TYPE_CHECKING:
+    from ..results import CompressResult
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def result_json(result: "CompressResult", indent: int | None = 2) -> str:
+    return json.dumps(_json_safe(result.to_dict()), indent=indent)
+
+
+def write_reports(result: "CompressResult", folder: Path) -> list[str]:
+    (folder / "report.json").write_text(result_json(result) + "\n", encoding="utf-8")
+    (folder / "report.md").write_text(markdown_report(result), encoding="utf-8")
+    return ["report.json", "report.md"]
+
+
+def markdown_report(result: "CompressResult") -> str:
+    lines = [
+        f"# Collaborative attention report: {result.model}",
+        "",
+        f"- method: {result.method} (collab-convert {result.tool_version})",
+        f"- family: {result.family}; {len(result.layers)} attention layers",
+        f"- query/key parameters: {result.parameters_before:,} -> {result.parameters_after:,} "
+        f"({_percent(result.parameters_after, result.parameters_before)} of the original)",
+        f"- mean relative error of the head products: {result.mean_relative_error:.4f}",
+        f"- time: {result.seconds:.1f} s",
+    ]
+    if result.calibration:
+        lines += [
+            f"- calibration: {result.calibration['examples']} examples from {result.calibration['source']}; "
+            f"fitted to the {result.calibration['objective']}",
+            f"- refinement: {result.calibration.get('refinement', 'off')}",
+        ]
+        lines += ["", "| layer | logit error | attention KL before / after refinement |", "|---|---:|---:|"]
+        for layer in result.layers:
+            kl = layer.refinement
+            shown = f"{kl['kl_before']:.4f} / {kl['kl_after']:.4f}" if kl else "-"
+            lines.append(f"| {layer.name} | {layer.logit_error:.4f} | {shown} |")
+    lines += [
+        "",
+        "| layer | rank | relative error | per-head truncation | params before | params after | "
+        + " | ".join(f"score MACs n={n} before/after" for n in SEQUENCE_LENGTHS)
+        + " | key cache / token before/after |",
+        "|---|---:|---:|---:|---:|---:|" + "---:|" * len(SEQUENCE_LENGTHS) + "---:|",
+    ]
+    for layer in result.layers:
+        scores = [
+            f"{_short(layer.cost_before['score_flops'][str(n)])} / {_short(layer.cost_after['score_flops'][str(n)])}"
+            for n in SEQUENCE_LENGTHS
+        ]
+        truncation = layer.per_head_truncation_error
+        lines.append(
+            f"| {layer.name} | {layer.rank} | {layer.relative_error:.4f} | "
+            f"{'-' if math.isnan(truncation) else f'{truncation:.4f}'} | {layer.parameters_before:,} | "
+            f"{layer.parameters_after:,} | "
+            + " | ".join(scores)
+            + f" | {layer.cost_before['key_cache_per_token']} / {layer.cost_after['key_cache_per_token']} |"
+        )
+    lines += [
+        "",
+        "Relative error is ||T - T~||_F / ||T||_F over the stacked per-head products T[i] = W_Q^(i) W_K^(i)^T. "
+        "Score MACs are multiply-adds for all heads' attention scores at sequence length n: collaborative heads "
+        "score in R+1 dimensions each, so long sequences can cost more than the original.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def _short(count: int) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.1f}{unit}"
+    return str(count)

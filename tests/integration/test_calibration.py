@@ -1,0 +1,144 @@
+"""Fitting to real inputs: calibrated fits, refinement against the original attention, automatic ranks, verify."""
+
+import json
+
+import torch
+from typer.testing import CliRunner
+
+from collab_convert import CompressOptions, compress, load_model
+from collab_convert.cli import app, main
+from collab_convert.decompose.als import fit_collaborative
+from collab_convert.decompose.calibrated import InputMetric, fit_calibrated
+from collab_convert.decompose.products import HeadProducts, content_bias
+from collab_convert.decompose.refinement import refine_attention
+
+
+def anisotropic_inputs(d_in=24, count=400, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.logspace(1, -2, d_in, dtype=torch.float64)  # a few directions carry most of the signal
+    mixing = torch.linalg.qr(torch.randn(d_in, d_in, generator=g, dtype=torch.float64))[0]
+    return (torch.randn(count, d_in, generator=g, dtype=torch.float64) * scales) @ mixing.T + 0.7
+
+
+def metric(samples, centre=True):
+    mean = samples.mean(0)
+    centred = samples - mean if centre else samples
+    return InputMetric(centred.T @ centred / samples.shape[0], mean)
+
+
+def logit_error(products, factors, correction, x, y):
+    exact = torch.einsum("nq,hdq,hdk,mk->hnm", x, products.query_heads, products.key_heads, y)
+    approx = torch.einsum("nq,qr,hr,kr,mk->hnm", x, factors.shared_query, factors.mixing, factors.shared_key, y)
+    if correction is not None:
+        approx = approx + (y @ correction.T).T[:, None, :]
+    difference = exact - approx
+    difference = difference - difference.mean(-1, keepdim=True)  # what a softmax over keys can see
+    return float(difference.norm() / (exact - exact.mean(-1, keepdim=True)).norm())
+
+
+def test_calibrated_fit_beats_weight_only_on_the_logits_of_real_inputs():
+    g = torch.Generator().manual_seed(1)
+    products = HeadProducts.from_projections(torch.randn(24, 24, generator=g), torch.randn(24, 24, generator=g), 4)
+    x, y = anisotropic_inputs(seed=2), anisotropic_inputs(seed=3)
+    plain = fit_collaborative(products, 6)
+    calibrated, correction = fit_calibrated(products, 6, metric(x), metric(y))
+    assert logit_error(products, calibrated.factors, correction, x, y) < 0.7 * logit_error(
+        products, plain.factors, None, x, y
+    )
+
+
+def test_calibrated_full_rank_stays_exact():
+    g = torch.Generator().manual_seed(4)
+    products = HeadProducts.from_projections(torch.randn(24, 24, generator=g), torch.randn(24, 24, generator=g), 4)
+    x = anisotropic_inputs(seed=5)
+    fit, correction = fit_calibrated(products, 24, metric(x), metric(x))
+    assert torch.allclose(fit.factors.dense(), products.dense(), atol=1e-6)
+    assert correction.abs().max() < 1e-6
+
+
+def test_refinement_lowers_the_attention_kl():
+    g = torch.Generator().manual_seed(6)
+    heads, d_in = 4, 16
+    wq, wk = torch.randn(16, d_in, generator=g), torch.randn(16, d_in, generator=g)
+    bq = torch.randn(16, generator=g)
+    sequences = [torch.randn(int(n), d_in, generator=g) for n in torch.randint(3, 12, (24,), generator=g)]
+    products = HeadProducts.from_projections(wq, wk, heads)
+    start = fit_collaborative(products, 5).factors
+    result = refine_attention(
+        sequences, sequences, wq, bq, wk, start, content_bias(wk, bq, heads), heads, 0.5, steps=60
+    )
+    assert result.kl_after < 0.8 * result.kl_before
+
+
+def test_compress_with_calibration_records_and_loads(tiny_bert, calibration_file, tmp_path, token_batch):
+    out = tmp_path / "out"
+    result = compress(str(tiny_bert), CompressOptions(rank=16, output=out, calibration=calibration_file, refine_steps=20))
+    assert result.calibration["examples"] == 32
+    assert all(layer.logit_error is not None and 0 < layer.logit_error < 1 for layer in result.layers)
+    assert all(layer.refinement["kl_after"] <= layer.refinement["kl_before"] for layer in result.layers)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["method"] == "tucker-cp-als+calibrated"
+    report = json.loads((out / "report.json").read_text())
+    assert report["calibration"]["refinement"].startswith("20 Adam steps")
+    model = load_model(out).eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(**token_batch).last_hidden_state).all()
+
+
+def test_calibrated_full_rank_reproduces_the_model(tiny_bert, calibration_file, tmp_path, token_batch):
+    from transformers import AutoModel
+
+    compress(str(tiny_bert), CompressOptions(rank=48, output=tmp_path / "full", calibration=calibration_file))
+    a = AutoModel.from_pretrained(tiny_bert).eval()
+    b = AutoModel.from_pretrained(tmp_path / "full").eval()
+    mask = token_batch["attention_mask"].bool()
+    with torch.no_grad():
+        x, y = a(**token_batch).last_hidden_state[mask], b(**token_batch).last_hidden_state[mask]
+    assert (x - y).abs().max() / x.abs().max() < 1e-4
+
+
+def test_rank_auto_picks_a_rank_per_layer(tiny_bert, calibration_file, tmp_path):
+    low = compress(str(tiny_bert), CompressOptions(rank="auto", energy=0.6, output=tmp_path / "low"))
+    high = compress(str(tiny_bert), CompressOptions(rank="auto", energy=0.99, output=tmp_path / "high"))
+    assert all(1 <= a.rank <= b.rank <= 48 for a, b in zip(low.layers, high.layers))
+    assert low.parameters_after < high.parameters_after
+    config = json.loads((tmp_path / "low" / "config.json").read_text())
+    assert [v["rank"] for v in config["quantization_config"]["layers"].values()] == [l.rank for l in low.layers]
+    load_model(tmp_path / "low")
+    result = CliRunner().invoke(
+        app, ["compress", str(tiny_bert), "--rank", "auto", "--energy", "0.9", "--calibration",
+              str(calibration_file), "--refine-steps", "5", "-o", str(tmp_path / "cli"), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert all(layer["rank"] <= 48 for layer in json.loads(result.stdout)["layers"])
+
+
+def test_verify_reports_fidelity_and_gates(tiny_bert, calibration_file, tmp_path, capsys):
+    compress(str(tiny_bert), CompressOptions(rank=24, output=tmp_path / "out"))
+    arguments = ["verify", str(tmp_path / "out"), "--against", str(tiny_bert), "--texts", str(calibration_file)]
+    assert main(arguments + ["--json", "--min-cosine", "0.1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["texts"] == 32 and 0.1 < report["cosine_mean"] <= 1.0 + 1e-6
+    assert report["cosine_p01"] <= report["cosine_mean"]
+    assert main(arguments + ["--min-cosine", "1.01"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: cosine_mean") and err.count("\n") == 1
+
+
+def test_verify_language_model_metrics(tmp_path, calibration_file):
+    import transformers as T
+
+    from fixtures.models import save_tiny_tokenizer
+
+    torch.manual_seed(0)
+    config = T.GPT2Config(vocab_size=120, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    T.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    save_tiny_tokenizer(tmp_path / "gpt2")
+    compress(str(tmp_path / "gpt2"), CompressOptions(rank=32, output=tmp_path / "out"))
+    result = CliRunner().invoke(
+        app, ["verify", str(tmp_path / "out"), "--against", str(tmp_path / "gpt2"), "--texts", str(calibration_file),
+              "--json", "--min-top1", "0.99", "--max-kl", "1e-4"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["top1_agreement"] >= 0.99 and report["kl_mean"] < 1e-4

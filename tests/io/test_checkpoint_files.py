@@ -1,0 +1,155 @@
+"""The output folder: complete, loadable, recorded, and the input left alone."""
+
+import json
+
+import pytest
+from safetensors import safe_open
+
+from collab_convert import CompressOptions, compress
+from collab_convert.io.tensors import TensorReader, parse_size
+from collab_convert.errors import BadInputError, OutputExistsError
+from fixtures.models import folder_digest
+
+
+def test_output_is_a_complete_hugging_face_folder(tiny_bert, tmp_path):
+    out = tmp_path / "out"
+    before = folder_digest(tiny_bert)
+    result = compress(str(tiny_bert), CompressOptions(rank=20, output=out))
+    assert folder_digest(tiny_bert) == before  # the input is never modified
+
+    original = json.loads((tiny_bert / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == original["architectures"]
+    assert config["model_type"] == original["model_type"]
+    recorded = config["quantization_config"]
+    assert recorded["quant_method"] == "collaborative"
+    assert recorded["method"] == "tucker-cp-als"
+    assert recorded["tool_version"]
+    assert recorded["layers"] == {
+        "encoder.layer.0.attention.self": {"rank": 20, "num_heads": 4},
+        "encoder.layer.1.attention.self": {"rank": 20, "num_heads": 4},
+    }
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        names = set(f.keys())
+    assert "encoder.layer.0.attention.self.mixing" in names
+    assert not any(n.endswith(("self.query.weight", "self.key.weight", "self.key.bias")) for n in names)
+
+    # every non-weight file is carried over
+    assert (out / "modules.json").is_file() and (out / "1_Pooling" / "config.json").is_file()
+
+    report = json.loads((out / "report.json").read_text())
+    assert [layer["rank"] for layer in report["layers"]] == [20, 20]
+    assert all(0 < layer["relative_error"] < 1 for layer in report["layers"])
+    assert report["layers"][0]["parameters_before"] > report["layers"][0]["parameters_after"]
+    markdown = (out / "report.md").read_text()
+    assert "encoder.layer.1.attention.self" in markdown and "relative error" in markdown
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\n") and "base_model_relation: quantized" in card
+    assert sorted(result.files) == result.files and "model.safetensors" in result.files
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+def test_sharded_output_has_an_index(tiny_bert, tmp_path):
+    out = tmp_path / "out"
+    compress(str(tiny_bert), CompressOptions(rank=20, output=out, max_shard_size="40KB"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((out / s).is_file() for s in shards)
+    reader = TensorReader(out)
+    assert set(reader.names()) == set(index["weight_map"])
+
+
+def test_same_input_gives_byte_identical_weights(tiny_bert, tmp_path):
+    compress(str(tiny_bert), CompressOptions(rank=20, output=tmp_path / "a"))
+    compress(str(tiny_bert), CompressOptions(rank=20, output=tmp_path / "b"))
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+def test_existing_output_is_refused_unless_overwrite(tiny_bert, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(OutputExistsError):
+        compress(str(tiny_bert), CompressOptions(rank=20, output=out))
+    assert (out / "keep.txt").read_text() == "mine"
+    compress(str(tiny_bert), CompressOptions(rank=20, output=out, overwrite=True))
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_output_inside_the_input_is_refused(tiny_bert):
+    with pytest.raises(BadInputError, match="overlaps"):
+        compress(str(tiny_bert), CompressOptions(rank=20, output=tiny_bert / "out"))
+
+
+def test_rank_above_full_rank_is_refused_before_any_write(tiny_bert, tmp_path):
+    with pytest.raises(BadInputError, match="exceeds the full rank"):
+        compress(str(tiny_bert), CompressOptions(rank=49, output=tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_legacy_pickle_weights_load_only_as_plain_tensors(tiny_bert, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "config.json").write_text((tiny_bert / "config.json").read_text())
+    torch.save(load_file(str(tiny_bert / "model.safetensors")), legacy / "pytorch_model.bin")
+    compress(str(legacy), CompressOptions(rank=48, output=tmp_path / "out"))
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("this must never run",))
+
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    (hostile / "config.json").write_text((tiny_bert / "config.json").read_text())
+    torch.save({"weight": Payload()}, hostile / "pytorch_model.bin")
+    with pytest.raises(BadInputError, match="could not be loaded safely"):
+        compress(str(hostile), CompressOptions(rank=8, output=tmp_path / "out2"))
+
+
+def test_sizes_parse_like_humans_write_them():
+    assert parse_size("500MB") == 500 * 10**6
+    assert parse_size("2GiB") == 2 * 1024**3
+    assert parse_size(1234) == 1234
+    with pytest.raises(BadInputError):
+        parse_size("lots")
+
+
+def test_hub_id_resolves_from_the_local_cache_offline(tiny_bert, tmp_path, monkeypatch):
+    import shutil
+
+    from collab_convert.io.folders import resolve_model
+
+    # The layout huggingface_hub writes: models--ORG--NAME/{refs/main, snapshots/REVISION/...}
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "cache" / "models--acme--tiny-bert"
+    shutil.copytree(tiny_bert, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert resolve_model("acme/tiny-bert") == repo / "snapshots" / revision
+    result = compress("acme/tiny-bert", CompressOptions(rank=20, output=tmp_path / "out"))
+    assert result.model == "acme/tiny-bert"
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "base_model: acme/tiny-bert" in card
+
+
+def test_hub_id_not_in_the_cache_says_how_to_get_it(tmp_path, monkeypatch):
+    import huggingface_hub.constants as constants
+
+    from collab_convert.io.folders import resolve_model
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(BadInputError, match="huggingface-cli download acme/missing"):
+        resolve_model("acme/missing")
