@@ -2,29 +2,13 @@
 
 from __future__ import annotations
 
-import torch
-
 from .architectures.source import SourceModel, open_model
 from .decompose.costs import candidate_ranks, collaborative_cost, original_cost
 from .decompose.spectra import energy_rank, spectra
-from .errors import BadInputError
 from .progress import Progress, no_progress
-from .results import AnalysisResult, LayerAnalysis
+from .results import AnalysisResult, LayerAnalysis, rounded
 
 ENERGY_SHARES = (0.90, 0.95, 0.99)
-
-
-def rounded(values: torch.Tensor) -> list[float]:
-    return [round(float(v), 6) for v in values]
-
-
-def check_rank(layer, rank: int) -> None:
-    """The same refusal for analyze and compress: no rank above the layer's full rank."""
-    if rank > layer.shape.key_dim:
-        raise BadInputError(
-            f"rank {rank} exceeds the full rank of {layer.prefix} "
-            f"({layer.shape.num_heads} heads x {layer.shape.head_dim} = {layer.shape.key_dim})"
-        )
 
 
 def analyze(model: str, ranks: list[int] | None = None, progress: Progress = no_progress) -> AnalysisResult:

@@ -52,7 +52,7 @@ class _Quiet:
 
 def _version(value: bool) -> None:
     if value:
-        from . import __version__
+        from .version import __version__
 
         typer.echo(f"collab-convert {__version__}")
         raise typer.Exit()

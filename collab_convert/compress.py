@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from .analyze import check_rank, rounded
 from .architectures.layouts import AttentionLayer, Projections
 from .architectures.source import SourceModel, open_model
 from .decompose.costs import collaborative_cost, original_cost
@@ -27,7 +26,7 @@ from .io.folders import StagedOutput, check_output, copy_non_weight_files
 from .io.tensors import ShardWriter, TensorSpec, parse_size
 from .options import CompressOptions
 from .progress import Progress, no_progress
-from .results import CompressPlan, CompressResult, LayerReport
+from .results import CompressPlan, CompressResult, LayerReport, rounded
 
 
 def plan(model: str, options: CompressOptions) -> CompressPlan:
@@ -88,7 +87,7 @@ def _plan(source: SourceModel, options: CompressOptions, ranks: dict[str, int] |
     for layer in source.layers:
         rank = (ranks or {}).get(layer.prefix, options.rank)
         if rank != "auto":
-            check_rank(layer, rank)
+            layer.check_rank(rank)
         before = original_cost(layer.shape, has_bias=layer.has_query_bias).parameters
         after = collaborative_cost(layer.shape, rank).parameters if rank != "auto" else None
         layers.append({"name": layer.prefix, "rank": rank, "parameters_before": before, "parameters_after": after})

@@ -9,8 +9,18 @@ from typing import Any
 from .version import __version__
 
 
+def rounded(values) -> list[float]:
+    """Numbers for a report: plain floats, six decimals."""
+    return [round(float(v), 6) for v in values]
+
+
+class _Data:
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 @dataclass
-class LayerAnalysis:
+class LayerAnalysis(_Data):
     name: str
     input_dim: int
     num_heads: int
@@ -22,18 +32,15 @@ class LayerAnalysis:
 
 
 @dataclass
-class AnalysisResult:
+class AnalysisResult(_Data):
     model: str
     family: str
     layers: list[LayerAnalysis]
     tool_version: str = __version__
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
-class LayerReport:
+class LayerReport(_Data):
     name: str
     rank: int
     num_heads: int
@@ -58,7 +65,7 @@ class LayerReport:
 
 
 @dataclass
-class CompressResult:
+class CompressResult(_Data):
     model: str
     output: str
     family: str
@@ -93,7 +100,7 @@ class CompressResult:
 
 
 @dataclass
-class CompressPlan:
+class CompressPlan(_Data):
     """What compress would do, checked without the heavy work (--dry-run)."""
 
     model: str
@@ -104,12 +111,9 @@ class CompressPlan:
     parameters_before: int
     parameters_after: int
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
-class VerifyResult:
+class VerifyResult(_Data):
     """Fidelity of a compressed checkpoint to its base on real text."""
 
     model: str
@@ -122,6 +126,3 @@ class VerifyResult:
     top1_agreement: float | None = None
     kl_mean: float | None = None
     failures: list[str] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)

@@ -42,6 +42,14 @@ class AttentionLayer:
     def key_rows(self) -> int:
         return self.kv_heads * self.shape.head_dim
 
+    def check_rank(self, rank: int) -> None:
+        """The one refusal of a rank above the layer's full rank, where the collaborative form is exact."""
+        if rank > self.shape.key_dim:
+            raise BadInputError(
+                f"rank {rank} exceeds the full rank of {self.prefix} "
+                f"({self.shape.num_heads} heads x {self.shape.head_dim} = {self.shape.key_dim})"
+            )
+
 
 @dataclass
 class Projections:

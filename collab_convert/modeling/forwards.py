@@ -37,18 +37,8 @@ def opt_forward(self, hidden_states, cache=None, attention_mask=None, output_att
     batch, length, _ = hidden_states.size()
     queries, keys = self.pseudo_heads(hidden_states)
     values = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
-    if cache is not None:
-        keys, values = cache.update(keys, values, self.layer_idx, kwargs=kwargs)
-    output, weights = collaborative_attention(
-        self,
-        queries,
-        keys,
-        values,
-        attention_mask,
-        dropout=0.0 if not self.training else self.dropout,
-        scaling=self.scaling,  # OPT scales its queries before the call; the product is the same
-        **kwargs,
-    )
+    # OPT scales its queries before the call; passing the scaling instead gives the same product
+    output, weights = _attend(self, queries, keys, values, cache, attention_mask, self.dropout, kwargs)
     return self.out_proj(output.reshape(batch, length, -1).contiguous()), weights
 
 
@@ -65,17 +55,18 @@ def gpt_bigcode_forward(self, hidden_states, layer_past=None, attention_mask=Non
     if layer_past is not None:
         from transformers.cache_utils import EncoderDecoderCache
 
-        cache = layer_past.self_attention_cache if isinstance(layer_past, EncoderDecoderCache) else layer_past
-        keys, values = cache.update(keys, values, self.layer_idx, kwargs=kwargs)
-    output, weights = collaborative_attention(
-        self,
-        queries,
-        keys,
-        values,
-        attention_mask,
-        dropout=0.0 if not self.training else self.attn_dropout,
-        scaling=self.scaling,
-        **kwargs,
-    )
+        if isinstance(layer_past, EncoderDecoderCache):
+            layer_past = layer_past.self_attention_cache
+    output, weights = _attend(self, queries, keys, values, layer_past, attention_mask, self.attn_dropout, kwargs)
     output = self.c_proj(output.reshape(*input_shape, -1).contiguous())
     return self.resid_dropout(output), weights
+
+
+def _attend(self, queries, keys, values, cache, attention_mask, dropout: float, kwargs):
+    """Cache the packed shared key and the values (not per-head keys), then attend collaboratively."""
+    if cache is not None:
+        keys, values = cache.update(keys, values, self.layer_idx, kwargs=kwargs)
+    return collaborative_attention(
+        self, queries, keys, values, attention_mask,
+        dropout=dropout if self.training else 0.0, scaling=self.scaling, **kwargs,
+    )

@@ -1,0 +1,74 @@
+"""Files only: sizes, model resolution, the lazy reader and streaming writer, and staged output."""
+
+import pytest
+import torch
+
+from collab_convert.errors import BadInputError, OutputExistsError
+from collab_convert.io.folders import StagedOutput, check_output
+from collab_convert.io.tensors import ShardWriter, TensorReader, TensorSpec, parse_size
+
+
+def test_sizes_parse_like_humans_write_them():
+    assert parse_size("500MB") == 500 * 10**6
+    assert parse_size("2GiB") == 2 * 1024**3
+    assert parse_size(1234) == 1234
+    with pytest.raises(BadInputError):
+        parse_size("lots")
+
+
+def test_hub_id_not_in_the_cache_says_how_to_get_it(tmp_path, monkeypatch):
+    import huggingface_hub.constants as constants
+
+    from collab_convert.io.folders import resolve_model
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(BadInputError, match="huggingface-cli download acme/missing"):
+        resolve_model("acme/missing")
+
+
+def test_shard_writer_streams_what_the_reader_reads_back(tmp_path):
+    tensors = {"a.weight": torch.arange(12.0).reshape(3, 4), "b.bias": torch.ones(5, dtype=torch.bfloat16)}
+    specs = [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    writer = ShardWriter(tmp_path, specs, max_shard_bytes=40)  # the first tensor alone fills a shard
+    for name, tensor in tensors.items():
+        writer.add(name, tensor)
+    assert writer.finish() == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                               "model.safetensors.index.json"]
+    reader = TensorReader(tmp_path)
+    assert reader.names() == list(tensors)
+    for name, tensor in tensors.items():
+        assert torch.equal(reader.get(name), tensor) and reader.spec(name).shape == tuple(tensor.shape)
+
+
+def test_shard_writer_refuses_a_tensor_out_of_order(tmp_path):
+    writer = ShardWriter(tmp_path, [TensorSpec("a", torch.float32, (2,))])
+    with pytest.raises(RuntimeError, match="writer expected a"):
+        writer.add("b", torch.zeros(2))
+
+
+def test_staged_output_appears_whole_on_commit_and_vanishes_otherwise(tmp_path):
+    output = tmp_path / "out"
+    with StagedOutput(output) as staged:
+        (staged.folder / "model.safetensors").write_text("x")
+        assert not output.exists()
+        staged.commit()
+    assert (output / "model.safetensors").read_text() == "x"
+    with pytest.raises(KeyError):
+        with StagedOutput(tmp_path / "other") as staged:
+            (staged.folder / "half").write_text("written")
+            raise KeyError("interrupted")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_output_checks_refuse_overlap_and_occupied_folders(tmp_path):
+    source = tmp_path / "model"
+    (source / "sub").mkdir(parents=True)
+    with pytest.raises(BadInputError, match="overlaps the input"):
+        check_output(source / "sub", source, overwrite=True)
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "file").write_text("keep me")
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        check_output(occupied, source, overwrite=False)
+    check_output(occupied, source, overwrite=True)

@@ -1,0 +1,43 @@
+"""Reports and the model card are written from result objects and metadata, never a loaded model."""
+
+from collab_convert.report.card import CardSource, write_model_card
+from collab_convert.report.reports import markdown_report, write_reports
+from collab_convert.results import CompressResult, LayerReport
+from collab_convert.decompose.costs import LayerShape, collaborative_cost, original_cost
+
+
+def a_result() -> CompressResult:
+    shape = LayerShape(input_dim=48, num_heads=4, head_dim=12)
+    before, after = original_cost(shape), collaborative_cost(shape, 16)
+    layer = LayerReport(
+        name="encoder.layer.0.attention.self", rank=16, num_heads=4, head_dim=12, input_dim=48,
+        relative_error=0.25, logit_error=None, refinement=None, per_head_truncation_error=0.5,
+        initialisation="per-head truncation", iterations=7, parameters_before=before.parameters,
+        parameters_after=after.parameters, seconds=0.1, cost_before=before.as_dict(), cost_after=after.as_dict(),
+    )
+    return CompressResult(model="acme/tiny", output="/tmp/out", family="bert", method="tucker-cp-als",
+                          layers=[layer], files=[], seconds=1.0)
+
+
+def test_markdown_report_shows_errors_and_costs_per_layer():
+    text = markdown_report(a_result())
+    assert "encoder.layer.0.attention.self | 16 | 0.2500 | 0.5000" in text
+    assert "score MACs n=2048" in text and "key cache" in text
+
+
+def test_card_front_matter_comes_from_the_source_metadata(tmp_path):
+    source = CardSource(base_model="acme/tiny", front_matter={"tags": ["sentence-similarity"],
+                                                             "pipeline_tag": "feature-extraction"},
+                        license="apache-2.0")
+    assert write_model_card(a_result(), source, tmp_path) == ["README.md"]
+    card = (tmp_path / "README.md").read_text()
+    assert card.startswith("---\nbase_model: acme/tiny\nbase_model_relation: quantized\n")
+    assert "license: apache-2.0" in card and "pipeline_tag: feature-extraction" in card
+    assert "- collaborative-attention" in card and "- sentence-similarity" in card
+
+
+def test_report_json_replaces_non_finite_numbers(tmp_path):
+    result = a_result()
+    result.layers[0].per_head_truncation_error = float("nan")
+    write_reports(result, tmp_path)
+    assert '"per_head_truncation_error": null' in (tmp_path / "report.json").read_text()
