@@ -162,11 +162,11 @@ def analyze(
 
     Next: pick a rank from the 95% or 99% column and run `collab-convert compress MODEL --rank R -o OUT`.
     """
+    _Quiet.quiet = quiet
+    chosen = build_options(AnalyzeOptions, options)
     from .analyze import analyze as run_analyze
     from .io.folders import DEFAULT_MODEL
 
-    _Quiet.quiet = quiet
-    chosen = build_options(AnalyzeOptions, options)
     result = _run_with_progress(run_analyze, model or DEFAULT_MODEL, chosen.ranks, show=not as_json)
     if chosen.plot is not None:
         from .report.plots import plot_spectra
@@ -225,12 +225,12 @@ def compress(
 
     Next: `import collab_convert` and load OUTPUT with transformers' Auto classes or collab_convert.load_model.
     """
+    _Quiet.quiet = quiet
+    chosen = build_options(CompressOptions, options)  # usage errors answer before anything heavy loads
     from .compress import compress as run_compress
     from .io.folders import DEFAULT_MODEL
     from .report.reports import result_json
 
-    _Quiet.quiet = quiet
-    chosen = build_options(CompressOptions, options)
     if dry_run:
         _print_plan(model or DEFAULT_MODEL, chosen, as_json)
         return
@@ -371,18 +371,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _quiet_libraries() -> None:
-    """stderr is for our progress and our one-line errors: no loading bars or advice from transformers."""
+    """stderr is for our progress and our one-line errors: no loading bars or advice from transformers.
+
+    Environment variables, read when transformers is first imported (which --help never does)."""
     import os
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    try:
+    if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
 
 
 def _error(message: str) -> None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
+from typing import TYPE_CHECKING
 
-from .als import FitResult, fit_collaborative
-from .calibrated import InputMetric, fit_calibrated
-from .products import CollaborativeFactors, HeadProducts, relative_error
-from .reference import fit_reference_parafac
-from .spectra import key_side_matrix, query_side_matrix
+if TYPE_CHECKING:  # the fits import torch when they run: the method table itself is read by --help
+    import torch
+
+    from .als import FitResult
+    from .calibrated import InputMetric
+    from .products import CollaborativeFactors, HeadProducts
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class Method:
 
 
 def _layer_fit(request: FitRequest, fit: FitResult, logit_error=None, correction=None) -> LayerFit:
+    from .products import relative_error
+    from .spectra import key_side_matrix, query_side_matrix
+
     products = request.products
     return LayerFit(
         factors=fit.factors,
@@ -72,10 +76,15 @@ def _layer_fit(request: FitRequest, fit: FitResult, logit_error=None, correction
 
 
 def _known_or(known: torch.Tensor | None, products: HeadProducts, side) -> torch.Tensor:
+    import torch
+
     return known if known is not None else torch.linalg.svdvals(side(products))
 
 
 def fit_tucker_cp_als(request: FitRequest) -> LayerFit:
+    from .als import fit_collaborative
+    from .calibrated import fit_calibrated
+
     if request.calibrated:
         # The ALS is cheap next to calibration, so calibrated fits run it to a tight tolerance.
         fit, correction = fit_calibrated(
@@ -88,6 +97,8 @@ def fit_tucker_cp_als(request: FitRequest) -> LayerFit:
 
 
 def fit_reference(request: FitRequest) -> LayerFit:
+    from .reference import fit_reference_parafac
+
     return _layer_fit(request, fit_reference_parafac(request.products, request.rank, seed=request.seed))
 
 
