@@ -18,9 +18,9 @@ _API = {
     "AnalyzeOptions": "options",
     "CompressOptions": "options",
     "CompressResult": "results",
-    "analyze": "analyze",
+    "analyze": "analysis",
     "collaborate_multihead_attention": "modeling.torch_mha",
-    "compress": "compress",
+    "compress": "compression",
     "load_model": "integration.loading",
 }
 

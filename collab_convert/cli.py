@@ -1,4 +1,4 @@
-"""The command line: parses, calls the jobs (analyze.py, compress.py, integration/fidelity.py), prints.
+"""The command line: parses, calls the jobs (analysis.py, compression.py, integration/fidelity.py), prints.
 Nothing else lives here; every option of a job comes from options.py.
 
 Exit codes: 0 success; 1 a threshold failed; 2 usage error; 3 bad input (missing or unreadable model,
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeElapsedColumn,
+    TimeRemainingColumn,
 )
 from rich.table import Table
 
@@ -41,8 +43,8 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-# Piped output (CI logs, files) gets wide tables rather than names folded at 80 columns.
-stdout = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 180)
+# Piped output (CI logs, files) gets wide tables, unless COLUMNS says how wide; a terminal gets its own width.
+stdout = Console(soft_wrap=True, width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 180)
 stderr = Console(stderr=True)
 
 
@@ -73,15 +75,16 @@ def _progress_bar(enabled: bool):
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
+        TimeRemainingColumn(),
         console=stderr,
         transient=True,
     )
 
 
-def _run_with_progress(function, *args, show: bool = True):
+def _run_with_progress(function, *args, show: bool = True, **kwargs):
     bar = _progress_bar(show and stderr.is_terminal)
     if bar is None:
-        return function(*args)
+        return function(*args, **kwargs)
     tasks = {}
     with bar:
 
@@ -90,7 +93,7 @@ def _run_with_progress(function, *args, show: bool = True):
                 tasks[what] = bar.add_task(what, total=total)
             bar.update(tasks[what], completed=done)
 
-        return function(*args, progress=progress)
+        return function(*args, progress=progress, **kwargs)
 
 
 MODEL_HELP = "A local model folder or a hub id in the local Hugging Face cache (default: the embedded all-MiniLM-L6-v2)."
@@ -153,21 +156,23 @@ def build_options(options_model, values: dict):
 @app.command()
 @with_options(AnalyzeOptions, after="model")
 def analyze(
-    model: str = typer.Argument(None, help=MODEL_HELP, show_default=False),
+    model: str = typer.Argument(None, help=MODEL_HELP, show_default=False, metavar="MODEL"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
     **options,
 ) -> None:
-    """PCA redundancy of every attention layer: spectra, energy ranks, and costs at candidate ranks.
+    """PCA redundancy of every attention layer: spectra, energy ranks, and what each candidate rank costs and
+    gives (the error of a fit; with --calibration the logit error and the embedding cosine on held-out lines).
 
-    Next: pick a rank from the 95% or 99% column and run `collab-convert compress MODEL --rank R -o OUT`.
+    Next: --target-cosine 0.99 names the smallest rank that keeps embeddings that close; then run
+    `collab-convert compress MODEL --rank R -o OUT` (or --rank auto).
     """
     _Quiet.quiet = quiet
     chosen = build_options(AnalyzeOptions, options)
-    from .analyze import analyze as run_analyze
+    from .analysis import analyze as run_analyze
     from .io.folders import DEFAULT_MODEL
 
-    result = _run_with_progress(run_analyze, model or DEFAULT_MODEL, chosen.ranks, show=not as_json)
+    result = _run_with_progress(run_analyze, model or DEFAULT_MODEL, chosen.ranks, show=not as_json, options=chosen)
     if chosen.plot is not None:
         from .report.plots import plot_spectra
 
@@ -182,39 +187,70 @@ def analyze(
     _print_analysis(result)
 
 
+def _table(title: str, *columns: str) -> Table:
+    """A table that wraps rather than cuts: numbers are never shown as an ellipsis."""
+    table = Table(title=title, title_justify="left")
+    for index, column in enumerate(columns):
+        table.add_column(column, justify="left" if index == 0 else "right", overflow="fold")
+    return table
+
+
 def _print_analysis(result) -> None:
-    table = Table(title=f"Attention redundancy: {result.model} ({result.family})")
-    table.add_column("layer", no_wrap=True)
-    table.add_column("heads x d_k", justify="right")
-    table.add_column("query dims 90/95/99%", justify="right")
-    table.add_column("key dims 90/95/99%", justify="right")
-    table.add_column("Q/K params", justify="right")
-    first = result.layers[0]
-    for candidate_cost in first.candidates:
-        table.add_column(f"R={candidate_cost['rank']}", justify="right")
+    from .results import layer_labels
+
+    labels = layer_labels([layer.name for layer in result.layers])
+    spread = _table(f"{result.model} ({result.family}): shared dimensions holding 90/95/99% of the energy",
+                    "layer", "heads x d_k", "query side", "key side")
     for layer in result.layers:
-        q = layer.energy_ranks["query_unfolding"]
-        k = layer.energy_ranks["key_unfolding"]
-        table.add_row(
-            layer.name,
-            f"{layer.num_heads} x {layer.head_dim}",
-            "/".join(str(v) for v in q.values()),
-            "/".join(str(v) for v in k.values()),
-            f"{layer.original['parameters']:,}",
-            *[f"{c['parameters']:,}" for c in layer.candidates],
-        )
-    stdout.print(table)
-    stdout.print(
-        "Dimensions: shared query/key dimensions holding 90/95/99% of the energy of the stacked head products. "
-        "R=...: Q/K parameters of the collaborative form at that rank.\n"
-        "Next: collab-convert compress MODEL --rank R -o OUT"
-    )
+        spread.add_row(labels[layer.name], f"{layer.num_heads} x {layer.head_dim}",
+                       "/".join(str(v) for v in layer.energy_ranks["query_unfolding"].values()),
+                       "/".join(str(v) for v in layer.energy_ranks["key_unfolding"].values()))
+    stdout.print(spread)
+    stdout.print(_candidate_table(result))
+    stdout.print(_analysis_advice(result), highlight=False)
+
+
+def _candidate_table(result) -> Table:
+    calibrated = any(p.mean_logit_error is not None for p in result.predictions)
+    measured = any(p.cosine_mean is not None for p in result.predictions)
+    columns = ["rank", "Q/K params", "key cache/token", "error"] + (["logit error"] if calibrated else [])
+    columns += ["cosine mean/p1"] if measured else []
+    table = _table(f"Candidate ranks, all {len(result.layers)} layers together", *columns)
+    first = result.predictions[0] if result.predictions else None
+    if first:
+        row = ["original", f"{first.parameters_before:,}", f"{first.key_cache_before:,}", "0"]
+        table.add_row(*row, *(["0"] if calibrated else []), *(["1/1"] if measured else []))
+    for p in result.predictions:
+        row = [str(p.rank), f"{p.parameters:,} ({100 * p.parameters / p.parameters_before:.0f}%)",
+               f"{p.key_cache_per_token:,}", f"{p.mean_relative_error:.3f}"]
+        row += [f"{p.mean_logit_error:.3f}"] if calibrated else []
+        row += [f"{p.cosine_mean:.4f}/{p.cosine_p01:.4f}"] if measured else []
+        table.add_row(*row)
+    return table
+
+
+def _analysis_advice(result) -> str:
+    lines = ["error: relative error of the head products after the fit (mean over layers)"
+             + ("; logit error: share of attention-logit energy lost on the calibration text" if any(
+                 p.mean_logit_error is not None for p in result.predictions) else "") + "."]
+    if result.probe:
+        lines.append(f"cosine: embeddings of the compressed model against the original on {result.probe} "
+                     "(before refinement, which only improves them).")
+    if result.target:
+        t = result.target
+        lines.append(f"Smallest rank reaching cosine {t['target_cosine']}: {t['rank']} "
+                     f"(measured {t['cosine_mean']:.4f} mean, {t['cosine_p01']:.4f} 1st percentile).")
+        lines.append(f"Next: collab-convert compress {result.model} --rank {t['rank']} -o OUT")
+    else:
+        lines.append("Next: collab-convert analyze MODEL --target-cosine 0.99 names the rank that keeps embeddings "
+                     "that close, or collab-convert compress MODEL --rank auto -o OUT picks it.")
+    return "\n".join(lines)
 
 
 @app.command()
 @with_options(CompressOptions, after="model")
 def compress(
-    model: str = typer.Argument(None, help=MODEL_HELP, show_default=False),
+    model: str = typer.Argument(None, help=MODEL_HELP, show_default=False, metavar="MODEL"),
     max_error: Optional[float] = typer.Option(None, "--max-error", help="Exit 1 if any layer's relative error exceeds this."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check the model, ranks and output location; write nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
@@ -227,7 +263,7 @@ def compress(
     """
     _Quiet.quiet = quiet
     chosen = build_options(CompressOptions, options)  # usage errors answer before anything heavy loads
-    from .compress import compress as run_compress
+    from .compression import compress as run_compress
     from .io.folders import DEFAULT_MODEL
     from .report.reports import result_json
 
@@ -250,7 +286,7 @@ def compress(
 
 
 def _print_plan(model: str, options: CompressOptions, as_json: bool) -> None:
-    from .compress import plan
+    from .compression import plan
 
     checked = plan(model, options)
     if as_json:
@@ -286,7 +322,7 @@ def _print_compression(result, rank) -> None:
 
 @app.command()
 def verify(
-    model: str = typer.Argument(..., help="The compressed checkpoint (a folder)."),
+    model: str = typer.Argument(..., help="The compressed checkpoint (a folder).", metavar="CHECKPOINT"),
     against: str = typer.Option(..., "--against", help="The base model it came from."),
     texts: Path = typer.Option(..., "--texts", help="Text file (one example per line) or folder of .txt files."),
     samples: int = typer.Option(1000, "--samples", help="Examples to read at most."),
@@ -295,6 +331,7 @@ def verify(
     min_top1: Optional[float] = typer.Option(None, "--min-top1", help="Language models: exit 1 if next-token top-1 agreement is below this."),
     max_kl: Optional[float] = typer.Option(None, "--max-kl", help="Language models: exit 1 if the mean next-token KL exceeds this."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
 ) -> None:
     """Fidelity of a compressed checkpoint to its base on real text: cosine of final hidden states (mean and
     1st percentile) and, for language models, next-token top-1 agreement and KL.
@@ -305,7 +342,8 @@ def verify(
     from .io.texts import read_texts
 
     thresholds = {"min_cosine": min_cosine, "min_cosine_p01": min_cosine_p01, "min_top1": min_top1, "max_kl": max_kl}
-    result = run_verify(model, against, read_texts(texts, samples), thresholds)
+    _Quiet.quiet = quiet
+    result = _run_with_progress(run_verify, model, against, read_texts(texts, samples), thresholds, show=not as_json)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     else:

@@ -17,21 +17,11 @@ from .decompose.methods import METHODS
 DEFAULT_METHOD = "tucker-cp-als"
 
 
-class CompressOptions(BaseModel):
-    """Options shared by the CLI and the Python API."""
+class _ModelInputs(BaseModel):
+    """Options about the real inputs a job may run the model on: shared by analyze and compress."""
 
     model_config = ConfigDict(extra="forbid")
 
-    rank: int | Literal["auto"] = Field(
-        description="Shared query/key dimension R for every layer, or 'auto' (see --energy).",
-        json_schema_extra={"flags": ["--rank", "-r"], "cli_type": str},
-    )
-    # With rank="auto": each layer gets the fewest shared dimensions holding this share of the energy of its
-    # head products (of the logits on the calibration text, when there is one).
-    energy: float = Field(
-        0.95, gt=0, le=1,
-        description="With --rank auto: share of (logit, with --calibration) energy each layer keeps.",
-    )
     calibration: Path | None = Field(
         None,
         description="Text file (one example per line) or folder of .txt files: fit the logits on real inputs and "
@@ -39,6 +29,27 @@ class CompressOptions(BaseModel):
     )
     calibration_samples: int = Field(512, ge=1, description="Examples to read from --calibration at most.")
     calibration_max_length: int = Field(128, ge=2, description="Tokens per calibration example at most.")
+    # compress --rank auto: the smallest rank whose measured embedding cosine reaches it (0.99 unless given),
+    # on held-out calibration lines or built-in sentences; analyze names that rank.
+    target_cosine: float | None = Field(
+        None, gt=0, le=1,
+        description="The smallest rank whose embedding cosine to the original reaches this (compress --rank auto: "
+        "default 0.99), measured on held-out --calibration lines or built-in sentences.",
+    )
+
+
+class CompressOptions(_ModelInputs):
+    """Options shared by the CLI and the Python API."""
+
+    rank: int | Literal["auto"] = Field(
+        description="Shared query/key dimension R for every layer, or 'auto': the smallest rank reaching --target-cosine.",
+        json_schema_extra={"flags": ["--rank", "-r"], "cli_type": str},
+    )
+    energy: float | None = Field(
+        None, gt=0, le=1,
+        description="With --rank auto: instead of a fidelity target, keep this share of each layer's (logit, "
+        "with --calibration) energy, e.g. 0.95.",
+    )
     # With calibration: refine each layer against the original's attention distributions (KL), this many Adam
     # steps on up to refine_samples calibration sequences. 0 turns refinement off.
     refine_steps: int = Field(
@@ -91,10 +102,8 @@ class CompressOptions(BaseModel):
         return value
 
 
-class AnalyzeOptions(BaseModel):
+class AnalyzeOptions(_ModelInputs):
     """What analyze looks at beyond the model itself."""
-
-    model_config = ConfigDict(extra="forbid")
 
     ranks: list[int] | None = Field(
         None,

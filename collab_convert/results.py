@@ -14,6 +14,26 @@ def rounded(values) -> list[float]:
     return [round(float(v), 6) for v in values]
 
 
+def layer_labels(names: list[str]) -> dict[str, str]:
+    """Short, unambiguous labels for attention layers: the dotted prefix and suffix they all share are dropped,
+    and a bare number reads "layer N" ("encoder.layer.3.attention.self" -> "layer 3")."""
+    parts = [name.split(".") for name in names]
+    if len(parts) < 2:
+        return {name: _as_label(name.split(".")) for name in names}
+    head = 0
+    while all(len(p) > head + 1 and p[head] == parts[0][head] for p in parts):
+        head += 1
+    tail = 0
+    while all(len(p) > head + tail + 1 and p[-1 - tail] == parts[0][-1 - tail] for p in parts):
+        tail += 1
+    return {name: _as_label(p[head: len(p) - tail]) for name, p in zip(names, parts)}
+
+
+def _as_label(parts: list[str]) -> str:
+    text = ".".join(parts)
+    return f"layer {text}" if text.replace(".", "").isdigit() else text
+
+
 class _Data:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -28,7 +48,24 @@ class LayerAnalysis(_Data):
     spectra: dict[str, list[float]]
     energy_ranks: dict[str, dict[str, int]]  # spectrum -> share -> dimensions
     original: dict[str, Any]
+    # per candidate rank: its costs, and what a fit at that rank gives (relative error of the head products;
+    # with calibration, the share of logit energy lost on the calibration inputs)
     candidates: list[dict[str, Any]]
+
+
+@dataclass
+class RankPrediction(_Data):
+    """What the whole model gets at one rank."""
+
+    rank: int
+    parameters: int  # query/key parameters of all layers
+    parameters_before: int
+    key_cache_per_token: int  # all layers
+    key_cache_before: int
+    mean_relative_error: float
+    mean_logit_error: float | None = None  # with calibration
+    cosine_mean: float | None = None  # measured on probe texts, with calibration or a target
+    cosine_p01: float | None = None
 
 
 @dataclass
@@ -36,6 +73,10 @@ class AnalysisResult(_Data):
     model: str
     family: str
     layers: list[LayerAnalysis]
+    predictions: list[RankPrediction] = field(default_factory=list)
+    probe: str | None = None  # the texts cosines were measured on
+    # with a target: {"target_cosine", "rank", "cosine_mean", "cosine_p01"}, the smallest rank that reaches it
+    target: dict[str, Any] | None = None
     tool_version: str = __version__
 
 
@@ -76,6 +117,9 @@ class CompressResult(_Data):
     tool_version: str = __version__
     schema_version: int = 1
     calibration: dict[str, Any] | None = None  # what the calibrated fit saw: source and number of examples
+    rank_choice: dict[str, Any] | None = None  # with --rank auto: how the ranks were chosen, and the estimate
+    # measured on text the fit did not see (with calibration): cosine mean / 1st percentile, next-token agreement
+    fidelity: dict[str, Any] | None = None
 
     @property
     def parameters_before(self) -> int:

@@ -19,8 +19,9 @@ LAYERS = {
     "modeling": 3,
     "architectures": 4,
     "integration": 5, "report": 5,
-    "analyze": 6, "compress": 6,
-    "cli": 7, "__init__": 7, "__main__": 8,
+    "stages": 6, "predict": 7,
+    "analysis": 8, "compression": 8,
+    "cli": 9, "__init__": 9, "__main__": 10,
 }
 
 

@@ -32,9 +32,16 @@ class QueryKeyCost:
     score_flops: dict[int, int]  # sequence length -> multiply-adds for all heads' scores
     key_cache_per_token: int  # numbers cached per token for keys (decoders)
 
+    @property
+    def flops_per_token(self) -> dict[int, int]:
+        """Multiply-adds of the query/key block per token at context length n: projecting the token, plus
+        its scores against n keys. The number to compare: the projections shrink with R, the scores grow."""
+        return {n: self.projection_flops_per_token + flops // n for n, flops in self.score_flops.items()}
+
     def as_dict(self) -> dict:
         data = asdict(self)
         data["score_flops"] = {str(k): v for k, v in self.score_flops.items()}
+        data["flops_per_token"] = {str(k): v for k, v in self.flops_per_token.items()}
         return data
 
 
@@ -69,3 +76,16 @@ def candidate_ranks(shape: LayerShape) -> list[int]:
         ranks.append(rank)
         rank //= 2
     return ranks
+
+
+def break_even_length(before: QueryKeyCost, after: QueryKeyCost, shape: LayerShape) -> int | None:
+    """The context length below which the collaborative query/key block costs fewer multiply-adds per token
+    than the original (None: never cheaper). Projections save a fixed amount per token; each extra key in the
+    context costs N_h (R + 1) - D_k more."""
+    saved = before.projection_flops_per_token - after.projection_flops_per_token
+    extra_per_key = shape.num_heads * (after.rank + 1) - shape.key_dim
+    if saved <= 0:
+        return None
+    if extra_per_key <= 0:
+        return 10**9  # cheaper at every length
+    return saved // extra_per_key

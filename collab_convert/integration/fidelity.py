@@ -10,11 +10,14 @@ from ..results import VerifyResult
 
 
 @torch.no_grad()
-def sentence_embeddings(model, tokenizer, texts: list[str], batch_size: int = 64, max_length: int = 128):
+def sentence_embeddings(model, tokenizer, texts: list[str], batch_size: int = 64, max_length: int = 128,
+                        progress=None, what: str = "embedding"):
     """Mean-pooled final hidden states over real tokens (the sentence-transformers recipe), L2-normalised."""
     model.eval()
     chunks = []
     for start in range(0, len(texts), batch_size):
+        if progress:
+            progress(what, start, len(texts))
         batch = tokenizer(
             texts[start : start + batch_size],
             padding=True,
@@ -26,6 +29,8 @@ def sentence_embeddings(model, tokenizer, texts: list[str], batch_size: int = 64
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
         chunks.append(torch.nn.functional.normalize(pooled, dim=-1))
+    if progress:
+        progress(what, len(texts), len(texts))
     return torch.cat(chunks)
 
 
@@ -48,10 +53,13 @@ def cosine_stats(reference: torch.Tensor, candidate: torch.Tensor) -> CosineStat
 
 
 @torch.no_grad()
-def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: int = 128) -> tuple[float, float]:
+def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: int = 128,
+                         progress=None) -> tuple[float, float]:
     """Top-1 agreement and mean KL(base || model) of next-token distributions, one text at a time."""
     agree, total, kl_sum = 0, 0, 0.0
-    for text in texts:
+    for index, text in enumerate(texts):
+        if progress:
+            progress("next-token agreement", index, len(texts))
         ids = tokenizer(text, truncation=True, max_length=max_length, return_tensors="pt")["input_ids"]
         if ids.shape[1] < 2:
             continue
@@ -64,7 +72,7 @@ def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: i
 
 
 def verify(model: str, against: str, texts: list[str], thresholds: dict[str, float] | None = None,
-           max_length: int = 128) -> VerifyResult:
+           max_length: int = 128, progress=None) -> VerifyResult:
     """Load both checkpoints and compare them on `texts`; list every threshold that fails."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
@@ -83,15 +91,16 @@ def verify(model: str, against: str, texts: list[str], thresholds: dict[str, flo
     base = AutoModel.from_pretrained(base_folder).eval()
     compressed = AutoModel.from_pretrained(folder).eval()
     cos = cosine_stats(
-        sentence_embeddings(base, tokenizer, texts, max_length=max_length),
-        sentence_embeddings(compressed, tokenizer, texts, max_length=max_length),
+        sentence_embeddings(base, tokenizer, texts, max_length=max_length, progress=progress, what="embedding (base)"),
+        sentence_embeddings(compressed, tokenizer, texts, max_length=max_length, progress=progress,
+                            what="embedding (compressed)"),
     )
     result = VerifyResult(model, against, len(texts), cos.mean, cos.p01, cos.minimum)
     if causal:
         result.top1_agreement, result.kl_mean = next_token_agreement(
             AutoModelForCausalLM.from_pretrained(folder).eval(),
             AutoModelForCausalLM.from_pretrained(base_folder).eval(),
-            tokenizer, texts, max_length,
+            tokenizer, texts, max_length, progress,
         )
     result.failures = threshold_failures(result, thresholds or {})
     return result

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..io.folders import EMBEDDED_MODELS, readme_front_matter
+from .summary import summary_lines
 
 if TYPE_CHECKING:
     from ..results import CompressResult
@@ -56,8 +57,7 @@ def write_model_card(result: "CompressResult", source: CardSource, folder: Path)
         f"{result.tool_version}: heads share one query and one key projection and each head keeps a mixing "
         "vector.",
         "",
-        f"- query/key parameters: {result.parameters_before:,} -> {result.parameters_after:,}",
-        f"- mean relative error of the head products: {result.mean_relative_error:.4f}",
+        *summary_lines(result),
         "",
         "Load it after `import collab_convert` with the usual Auto classes, or with `collab_convert.load_model`.",
         "Details per layer are in report.md.",

@@ -1,4 +1,4 @@
-"""report.json, report.md and the model card of a compressed checkpoint."""
+"""report.json and report.md of a compressed checkpoint."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..decompose.costs import SEQUENCE_LENGTHS
+from .summary import _short, summary_lines
 
 if TYPE_CHECKING:
     from ..results import CompressResult
@@ -37,11 +38,8 @@ def markdown_report(result: "CompressResult") -> str:
     lines = [
         f"# Collaborative attention report: {result.model}",
         "",
-        f"- method: {result.method} (collab-convert {result.tool_version})",
-        f"- family: {result.family}; {len(result.layers)} attention layers",
-        f"- query/key parameters: {result.parameters_before:,} -> {result.parameters_after:,} "
-        f"({_percent(result.parameters_after, result.parameters_before)} of the original)",
-        f"- mean relative error of the head products: {result.mean_relative_error:.4f}",
+        *summary_lines(result),
+        f"- method: {result.method} (collab-convert {result.tool_version}); family: {result.family}",
         f"- time: {result.seconds:.1f} s",
     ]
     if result.calibration:
@@ -58,13 +56,14 @@ def markdown_report(result: "CompressResult") -> str:
     lines += [
         "",
         "| layer | rank | relative error | per-head truncation | params before | params after | "
-        + " | ".join(f"score MACs n={n} before/after" for n in SEQUENCE_LENGTHS)
+        + " | ".join(f"Q/K MACs per token n={n} before/after" for n in SEQUENCE_LENGTHS)
         + " | key cache / token before/after |",
         "|---|---:|---:|---:|---:|---:|" + "---:|" * len(SEQUENCE_LENGTHS) + "---:|",
     ]
     for layer in result.layers:
         scores = [
-            f"{_short(layer.cost_before['score_flops'][str(n)])} / {_short(layer.cost_after['score_flops'][str(n)])}"
+            f"{_short(layer.cost_before['flops_per_token'][str(n)])} / "
+            f"{_short(layer.cost_after['flops_per_token'][str(n)])}"
             for n in SEQUENCE_LENGTHS
         ]
         truncation = layer.per_head_truncation_error
@@ -78,19 +77,9 @@ def markdown_report(result: "CompressResult") -> str:
     lines += [
         "",
         "Relative error is ||T - T~||_F / ||T||_F over the stacked per-head products T[i] = W_Q^(i) W_K^(i)^T. "
-        "Score MACs are multiply-adds for all heads' attention scores at sequence length n: collaborative heads "
-        "score in R+1 dimensions each, so long sequences can cost more than the original.",
+        "Q/K MACs per token are the multiply-adds of the query/key block for one token at context length n: its "
+        "projections plus its scores against n keys. Collaborative heads score in R+1 dimensions each, so long "
+        "contexts can cost more than the original while parameters and the key cache shrink.",
         "",
     ]
     return "\n".join(lines)
-
-
-def _percent(part: int, whole: int) -> str:
-    return f"{100.0 * part / whole:.1f}%" if whole else "-"
-
-
-def _short(count: int) -> str:
-    for unit, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if count >= size:
-            return f"{count / size:.1f}{unit}"
-    return str(count)

@@ -1,81 +1,30 @@
-"""compress(): re-parametrize every attention layer into collaborative form and write a complete checkpoint.
-
-This module only sequences the stages; each stage's knowledge lives elsewhere:
-
-    open the source (architectures/)  ->  check the plan  ->  calibrate (integration/capture.py)
-    ->  choose ranks  ->  fit each layer (decompose/methods.py)  ->  stream tensors out (io/tensors.py)
-    ->  config (format.py), reports and card (report/)  ->  swap the staged output into place (io/folders.py)
-"""
+"""The stages of a compression, each a function over an opened source model. compression.py sequences them;
+predict.py reuses them to measure what a rank would give before anything is written for the user."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .architectures.layouts import AttentionLayer, Projections
-from .architectures.source import SourceModel, open_model
+from .architectures.source import SourceModel
 from .decompose.costs import collaborative_cost, original_cost
 from .decompose.methods import FitRequest, LayerFit, method_named
 from .decompose.products import content_bias, relative_error
 from .errors import BadInputError
 from .format import FormatConfig, HeadCounts, collaborative_tensors, write_config
-from .io.folders import StagedOutput, check_output, copy_non_weight_files
+from .io.folders import check_output
 from .io.tensors import ShardWriter, TensorSpec, parse_size
 from .options import CompressOptions
-from .progress import Progress, no_progress
-from .results import CompressPlan, CompressResult, LayerReport, rounded
+from .progress import Progress
+from .results import CompressPlan, LayerReport, rounded
 
 
-def plan(model: str, options: CompressOptions) -> CompressPlan:
-    """Check the model, the ranks and the output location; decompose nothing, write nothing."""
-    source = open_model(model)
-    try:
-        return _plan(source, options)
-    finally:
-        source.close()
-
-
-def compress(model: str, options: CompressOptions, progress: Progress = no_progress) -> CompressResult:
-    """Re-parametrize every attention layer into collaborative form and write a complete checkpoint."""
-    started = time.perf_counter()
-    torch.manual_seed(options.seed)
-    source = open_model(model)
-    try:
-        _plan(source, options)  # refuse bad input before the costly calibration
-        metrics, calibration = _calibrate(source, options, progress)
-        ranks = _layer_ranks(source, options, metrics)
-        output = Path(_plan(source, options, ranks).output)
-        with StagedOutput(output) as staged:
-            reports, files = _convert_weights(source, options, staged.folder, progress, ranks, metrics)
-            files += copy_non_weight_files(source.folder, staged.folder)
-            result = CompressResult(
-                model=model, output=str(output), family=source.family.name, method=options.method,
-                layers=reports, files=[], seconds=0.0, calibration=calibration,
-            )
-            _write_config(source, reports, staged.folder, result.method + ("+calibrated" if calibration else ""))
-            files += ["config.json"] + _write_reports(result, source, staged.folder, started)
-            result.files = sorted(files)
-            staged.commit()
-    finally:
-        source.close()
-    return result
-
-
-def _write_reports(result: CompressResult, source: SourceModel, folder: Path, started: float) -> list[str]:
-    from .report.card import CardSource, write_model_card
-    from .report.plots import write_plots
-    from .report.reports import write_reports
-
-    files = write_plots(result, folder)
-    result.seconds = time.perf_counter() - started
-    card = CardSource.of(result.model, source.folder, source.config)
-    return files + write_reports(result, folder) + write_model_card(result, card, folder)
-
-
-def _plan(source: SourceModel, options: CompressOptions, ranks: dict[str, int] | None = None) -> CompressPlan:
+def check_plan(source: SourceModel, options: CompressOptions, ranks: dict[str, int] | None = None) -> CompressPlan:
     parse_size(options.max_shard_size)
     output = options.output.expanduser().resolve()
     check_output(output, source.folder, options.overwrite)
@@ -102,15 +51,40 @@ def _plan(source: SourceModel, options: CompressOptions, ranks: dict[str, int] |
     )
 
 
-def _calibrate(source: SourceModel, options: CompressOptions, progress: Progress):
-    """Input statistics of every layer on the calibration text, and what the report says about them."""
-    if options.calibration is None:
-        return None, None
-    from .integration.capture import collect_statistics
+PROBE_TEXTS = 32  # texts a fidelity estimate measures on
+
+
+@dataclass
+class ProbeTexts:
+    """Texts a fidelity figure is measured on, and what they are, for reports."""
+
+    texts: list[str]
+    description: str
+
+
+def calibration_texts(options: CompressOptions) -> tuple[list[str], ProbeTexts]:
+    """(texts the fit sees, texts a fidelity figure measures on) from --calibration.
+
+    The probe texts are the lines after the first `calibration_samples`; a file with no lines to spare lends
+    its last few, and the description says the figure is then not on held-out text."""
     from .io.texts import read_texts
 
-    texts = read_texts(options.calibration, options.calibration_samples)
-    refines = bool(options.refine_steps) and source.family.refinable
+    texts = read_texts(options.calibration, options.calibration_samples + PROBE_TEXTS)
+    fitted = texts[: options.calibration_samples]
+    if texts[options.calibration_samples:]:
+        held_out = texts[options.calibration_samples:]
+        return fitted, ProbeTexts(held_out, f"{len(held_out)} held-out lines of {options.calibration}")
+    reused = fitted[-PROBE_TEXTS:]
+    return fitted, ProbeTexts(reused, f"{len(reused)} lines of {options.calibration} (also used for the fit: "
+                                      "none were left to hold out)")
+
+
+def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], progress: Progress,
+              refine: bool = True):
+    """Input statistics of every layer on the calibration texts, and what the report says about them."""
+    from .integration.capture import collect_statistics
+
+    refines = refine and bool(options.refine_steps) and source.family.refinable
     metrics = collect_statistics(
         source.folder, source.family, [layer.prefix for layer in source.layers], texts,
         options.calibration_max_length, progress, keep_samples=options.refine_samples if refines else 0,
@@ -118,7 +92,7 @@ def _calibrate(source: SourceModel, options: CompressOptions, progress: Progress
     if refines:
         refinement = (f"{options.refine_steps} Adam steps per layer on the attention KL over "
                       f"{min(options.refine_samples, len(texts))} sequences")
-    elif not options.refine_steps:
+    elif not options.refine_steps or not refine:
         refinement = "off"
     else:
         refinement = f"not available for {source.family.name} (position bias or scaling)"
@@ -132,10 +106,9 @@ def _calibrate(source: SourceModel, options: CompressOptions, progress: Progress
     return metrics, calibration
 
 
-def _layer_ranks(source: SourceModel, options: CompressOptions, metrics) -> dict[str, int]:
-    """One rank per layer: the fixed one, or with rank="auto" the energy rank of the (whitened) products."""
-    if options.rank != "auto":
-        return {layer.prefix: options.rank for layer in source.layers}
+def energy_ranks(source: SourceModel, options: CompressOptions, metrics) -> dict[str, int]:
+    """One rank per layer: the fewest shared dimensions holding `options.energy` of the energy of its (whitened,
+    with calibration) products."""
     from .decompose.calibrated import whiten
     from .decompose.spectra import energy_rank, key_side_matrix, query_side_matrix
 
@@ -153,7 +126,7 @@ def _layer_ranks(source: SourceModel, options: CompressOptions, metrics) -> dict
     return ranks
 
 
-def _convert_weights(source: SourceModel, options: CompressOptions, folder: Path, progress: Progress,
+def convert_weights(source: SourceModel, options: CompressOptions, folder: Path, progress: Progress,
                      ranks: dict[str, int], metrics):
     """Stream every tensor to the output in input order; at each attention layer, fit it and write its
     collaborative tensors in place of the ones it replaces. One layer and one tensor in memory at a time."""
@@ -201,7 +174,7 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, options: CompressOpti
     if fit.content_bias_correction is not None:
         bias = bias + fit.content_bias_correction
     factors, refinement = fit.factors, None
-    if metric is not None and metric.query_samples and rank < layer.shape.key_dim:
+    if metric is not None and metric.query_samples and options.refine_steps and rank < layer.shape.key_dim:
         factors, bias, refinement = _refine(projections, layer, fit, bias, metric, options.refine_steps)
         fit.relative_error = relative_error(products, factors)
     tensors = collaborative_tensors(layer.prefix, factors.shared_query, factors.shared_key, factors.mixing, bias,
@@ -250,7 +223,7 @@ def _layer_report(layer: AttentionLayer, rank: int, fit: LayerFit, refinement: d
     )
 
 
-def _write_config(source: SourceModel, reports: list[LayerReport], folder: Path, method: str) -> None:
+def write_format_config(source: SourceModel, reports: list[LayerReport], folder: Path, method: str) -> None:
     kv_heads = {layer.prefix: layer.kv_heads for layer in source.layers}
     layers = {r.name: FormatConfig.layer_entry(r.rank, HeadCounts(r.num_heads, kv_heads[r.name])) for r in reports}
     write_config(source.config, source.family.name, method, layers, folder)

@@ -1,0 +1,126 @@
+"""compress(): re-parametrize every attention layer into collaborative form and write a complete checkpoint.
+
+This module only sequences the stages (stages.py); each stage's knowledge lives elsewhere:
+
+    open the source (architectures/)  ->  check the plan  ->  calibrate (integration/capture.py)
+    ->  choose ranks (fixed, energy, or a fidelity target: predict.py)  ->  fit each layer (decompose/methods.py)
+    ->  stream tensors out (io/tensors.py)  ->  config (format.py), reports and card (report/)
+    ->  swap the staged output into place (io/folders.py)
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .architectures.source import SourceModel, open_model
+from .io.folders import StagedOutput, copy_non_weight_files
+from .options import CompressOptions
+from .progress import Progress, no_progress
+from .results import CompressPlan, CompressResult
+from .stages import calibrate, calibration_texts, check_plan, convert_weights, energy_ranks, write_format_config
+
+
+def plan(model: str, options: CompressOptions) -> CompressPlan:
+    """Check the model, the ranks and the output location; decompose nothing, write nothing."""
+    source = open_model(model)
+    try:
+        return check_plan(source, options)
+    finally:
+        source.close()
+
+
+def compress(model: str, options: CompressOptions, progress: Progress = no_progress) -> CompressResult:
+    """Re-parametrize every attention layer into collaborative form and write a complete checkpoint."""
+    started = time.perf_counter()
+    torch.manual_seed(options.seed)
+    progress("opening the model", 0, 1)
+    source = open_model(model)
+    progress("opening the model", 1, 1)
+    try:
+        check_plan(source, options)  # refuse bad input before the costly calibration
+        metrics, calibration, held_out = None, None, None
+        if options.calibration is not None:
+            fitted, held_out = calibration_texts(options)
+            metrics, calibration = calibrate(source, options, fitted, progress)
+        ranks, rank_choice = choose_ranks(source, options, metrics, held_out, progress)
+        output = Path(check_plan(source, options, ranks).output)
+        with StagedOutput(output) as staged:
+            reports, files = convert_weights(source, options, staged.folder, progress, ranks, metrics)
+            files += copy_non_weight_files(source.folder, staged.folder)
+            result = CompressResult(
+                model=model, output=str(output), family=source.family.name, method=options.method,
+                layers=reports, files=[], seconds=0.0, calibration=calibration, rank_choice=rank_choice,
+            )
+            write_format_config(source, reports, staged.folder, result.method + ("+calibrated" if calibration else ""))
+            if held_out is not None:  # calibration text lends lines to measure the result on
+                result.fidelity = _measure(source, options, metrics, held_out, staged.folder, progress)
+            progress("writing reports and plots", 0, 1)
+            files += ["config.json"] + _write_reports(result, source, staged.folder, started)
+            progress("writing reports and plots", 1, 1)
+            result.files = sorted(files)
+            staged.commit()
+    finally:
+        source.close()
+    return result
+
+
+def choose_ranks(source: SourceModel, options: CompressOptions, metrics, held_out,
+                 progress: Progress) -> tuple[dict[str, int], dict[str, Any] | None]:
+    """One rank per layer, and how it was chosen (for the report).
+
+    A fixed rank is taken as given. `--rank auto` aims at a fidelity target (`--target-cosine`, default 0.99):
+    the smallest rank whose measured embedding cosine on probe texts reaches it. It falls back to an energy
+    share of the head products where the model cannot be run on text, or where `--energy` was asked for.
+    """
+    if options.rank != "auto":
+        return {layer.prefix: options.rank for layer in source.layers}, None
+    from .predict import DEFAULT_TARGET_COSINE, can_measure
+
+    if options.energy is not None or not can_measure(source):
+        share = options.energy if options.energy is not None else 0.95
+        reason = "asked for" if options.energy is not None else "the model cannot be run on text to measure fidelity"
+        return energy_ranks(source, options.model_copy(update={"energy": share}), metrics), {
+            "mode": "energy", "energy": share, "why": reason,
+        }
+    target = options.target_cosine or DEFAULT_TARGET_COSINE
+    estimate, probe = _search(source, options, metrics, held_out, target, progress)
+    choice = {"mode": "fidelity target", "target_cosine": target, "probe": probe,
+              "estimated_cosine_mean": estimate.cosine_mean, "estimated_cosine_p01": estimate.cosine_p01}
+    return {layer.prefix: min(estimate.rank, layer.shape.key_dim) for layer in source.layers}, choice
+
+
+def _search(source: SourceModel, options: CompressOptions, metrics, held_out, target: float, progress: Progress):
+    from .predict import FidelityEstimator, default_probe
+
+    probe = held_out or default_probe()
+    # The estimate runs without refinement; the final compression refines, which only lowers the error.
+    estimator = FidelityEstimator(source, options.model_copy(update={"refine_steps": 0}), probe, metrics)
+    step = min(layer.shape.num_heads for layer in source.layers)
+    full = max(layer.shape.key_dim for layer in source.layers)
+    return estimator.smallest_rank(target, step, full, progress), probe.description
+
+
+def _measure(source: SourceModel, options: CompressOptions, metrics, probe, folder: Path, progress: Progress):
+    from .predict import FidelityEstimator, can_measure
+
+    if not can_measure(source):
+        return None
+    progress("measuring fidelity", 0, 1)
+    figures = FidelityEstimator(source, options, probe, metrics).measured(folder)
+    progress("measuring fidelity", 1, 1)
+    return figures
+
+
+def _write_reports(result: CompressResult, source: SourceModel, folder: Path, started: float) -> list[str]:
+    from .report.card import CardSource, write_model_card
+    from .report.plots import write_plots
+    from .report.reports import write_reports
+
+    files = write_plots(result, folder)
+    result.seconds = time.perf_counter() - started
+    card = CardSource.of(result.model, source.folder, source.config)
+    return files + write_reports(result, folder) + write_model_card(result, card, folder)

@@ -1,0 +1,119 @@
+"""What a rank will give, measured before the user commits to it: the embedding cosine of the compressed model
+to the original on a few texts.
+
+For each rank asked about, the stages of a real compression (stages.py) write a scratch checkpoint, which is
+loaded the way a user loads it (transformers + our quantizer) and compared with the original on the probe
+texts: the number is what `verify` would print for that checkpoint on those texts. Calibration statistics are
+collected once; the refinement is left out (it only ever improves the fit), so an estimate errs on the
+cautious side.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .architectures.source import SourceModel
+from .errors import BadInputError
+from .options import CompressOptions
+from .progress import Progress, no_progress
+from .stages import ProbeTexts, convert_weights, write_format_config
+
+DEFAULT_TARGET_COSINE = 0.99
+PROBE_FILE = Path(__file__).parent / "data" / "probe_sentences.txt"
+
+
+@dataclass
+class Estimate:
+    rank: int
+    cosine_mean: float
+    cosine_p01: float
+
+
+def default_probe() -> ProbeTexts:
+    texts = [line for line in PROBE_FILE.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return ProbeTexts(texts, f"{len(texts)} built-in English sentences (collab_convert/data)")
+
+
+def can_measure(source: SourceModel) -> bool:
+    """Text models with a tokenizer: a fidelity estimate needs text to run them on."""
+    return any((source.folder / name).is_file() for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json",
+                                                                  "spiece.model", "vocab.json"))
+
+
+class FidelityEstimator:
+    """Embedding cosine of the collaborative model to the original, at any rank, on fixed probe texts."""
+
+    def __init__(self, source: SourceModel, options: CompressOptions, probe: ProbeTexts, metrics=None):
+        from transformers import AutoModel, AutoTokenizer
+
+        from .integration.fidelity import sentence_embeddings
+
+        self.source, self.options, self.probe, self.metrics = source, options, probe, metrics
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(source.folder)
+        except Exception as error:  # noqa: BLE001 - many ways for a tokenizer to be missing or broken
+            raise BadInputError(f"a fidelity estimate needs the model's tokenizer: {error}") from None
+        original = AutoModel.from_pretrained(source.folder).eval()
+        self.reference = sentence_embeddings(original, self.tokenizer, probe.texts,
+                                             max_length=options.calibration_max_length)
+        self.cache: dict[int, Estimate] = {}
+
+    def at(self, rank: int, progress: Progress = no_progress) -> Estimate:
+        if rank not in self.cache:
+            self.cache[rank] = self._measure(rank, progress)
+        return self.cache[rank]
+
+    def _measure(self, rank: int, progress: Progress) -> Estimate:
+        ranks = {layer.prefix: min(rank, layer.shape.key_dim) for layer in self.source.layers}
+        with tempfile.TemporaryDirectory(prefix="collab-estimate-") as scratch:
+            folder = Path(scratch)
+            reports, _ = convert_weights(self.source, self.options, folder, progress, ranks, self.metrics)
+            write_format_config(self.source, reports, folder, self.options.method)
+            cosine_mean, cosine_p01 = self.cosines(folder)
+        return Estimate(rank, cosine_mean, cosine_p01)
+
+    def cosines(self, folder: Path) -> tuple[float, float]:
+        """Mean and 1st-percentile cosine of a written collaborative checkpoint's embeddings to the original's."""
+        from transformers import AutoModel
+
+        from .integration.fidelity import cosine_stats, sentence_embeddings
+        from .integration.loading import register
+
+        register()
+        model = AutoModel.from_pretrained(folder).eval()
+        stats = cosine_stats(self.reference, sentence_embeddings(
+            model, self.tokenizer, self.probe.texts, max_length=self.options.calibration_max_length))
+        return stats.mean, stats.p01
+
+    def measured(self, folder: Path) -> dict:
+        """Fidelity of a finished checkpoint, for its report and card: cosines, and for language models the
+        next-token top-1 agreement and KL."""
+        cosine_mean, cosine_p01 = self.cosines(folder)
+        figures = {"measured_on": self.probe.description, "cosine_mean": cosine_mean, "cosine_p01": cosine_p01}
+        architectures = self.source.config.get("architectures") or []
+        if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+            from transformers import AutoModelForCausalLM
+
+            from .integration.fidelity import next_token_agreement
+
+            figures["top1_agreement"], figures["kl_mean"] = next_token_agreement(
+                AutoModelForCausalLM.from_pretrained(folder).eval(),
+                AutoModelForCausalLM.from_pretrained(self.source.folder).eval(),
+                self.tokenizer, self.probe.texts, self.options.calibration_max_length,
+            )
+        return figures
+
+    def smallest_rank(self, target: float, step: int, full: int, progress: Progress = no_progress) -> Estimate:
+        """The smallest multiple of `step` whose mean cosine reaches `target` (bisection: fidelity grows with
+        rank), or the full rank, which is exact."""
+        low, high = 1, full // step  # in units of step; the full rank always reaches any target
+        while low < high:
+            middle = (low + high) // 2
+            progress("searching ranks", 0, 1)
+            if self.at(middle * step).cosine_mean >= target:
+                high = middle
+            else:
+                low = middle + 1
+        return self.at(low * step) if low * step < full else Estimate(full, 1.0, 1.0)
