@@ -88,6 +88,67 @@ def collaborative_attention(module, query, key, value, attention_mask, **kwargs)
     """The attention function collaborative modules dispatch to; plain modules pass straight through."""
     if not getattr(module, "is_collaborative", False):
         return _real_attention_function(module)(module, query, key, value, attention_mask, **kwargs)
+    if _implementation(module) in ("eager", "sdpa"):
+        return shared_key_attention(module, query, key, value, attention_mask, **kwargs)
+    return _per_head_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+def _implementation(module) -> str:
+    config = module.config._base if isinstance(module.config, CollaborativeConfigView) else module.config
+    return getattr(config, "_attn_implementation", None) or "eager"
+
+
+def shared_key_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Scores with the shared key as one operand for every head: a single batched product of the N_h per-head
+    queries (B, N_h n, R) against the shared key (B, R, m), which is read once, never copied per head; the
+    content bias (one number per key and head) joins the mask as a (B, N_h, 1, m) term. Then softmax, dropout
+    and the values, as the eager and SDPA functions do."""
+    heads, rank = module.mixing.shape
+    batch, n, m = query.shape[0], query.shape[2], key.shape[2]
+    scaling = 1.0 if scaling is None else scaling
+    shared_query = query.transpose(1, 2).reshape(batch, n, -1)[..., :rank]
+    packed_key = key.transpose(1, 2).reshape(batch, m, -1)
+    queries = shared_query.unsqueeze(1) * (module.mixing * scaling).to(query.dtype)[None, :, None, :]
+    scores = torch.bmm(queries.view(batch, heads * n, rank), packed_key[..., :rank].transpose(1, 2))
+    scores = scores.view(batch, heads, n, m)
+    per_key = (packed_key[..., rank : rank + heads] * scaling).transpose(1, 2).unsqueeze(2)  # (B, N_h, 1, m)
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:
+        scores += position_bias
+    if attention_mask is not None and attention_mask.dtype != torch.bool and attention_mask.shape[-2] == 1:
+        per_key = per_key + attention_mask[..., :m]  # a padding mask is per key too: one small add
+        attention_mask = None
+    scores += per_key
+    _mask_in_place(scores, attention_mask, module, kwargs.get("is_causal"))
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    if value.shape[1] not in (1, heads):  # grouped values: one per query head
+        value = value.repeat_interleave(heads // value.shape[1], dim=1)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def _causal(module, is_causal, n: int) -> bool:
+    return bool(is_causal if is_causal is not None else getattr(module, "is_causal", False)) and n > 1
+
+
+def _mask_in_place(scores: torch.Tensor, attention_mask, module, is_causal) -> None:
+    """Additive float masks are added; boolean masks (True: attend) fill the rest; no mask on a causal module
+    means the causal mask, aligned to the last keys (queries are the newest positions)."""
+    if attention_mask is not None:
+        mask = attention_mask[..., : scores.shape[-1]]
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores += mask
+        return
+    n, m = scores.shape[-2:]
+    if _causal(module, is_causal, n):
+        future = torch.ones(n, m, dtype=torch.bool, device=scores.device).triu(m - n + 1)
+        scores.masked_fill_(future, torch.finfo(scores.dtype).min)
+
+
+def _per_head_attention(module, query, key, value, attention_mask, **kwargs):
+    """Per-head queries and keys handed to the model's real implementation (any other than eager and sdpa)."""
     queries, keys = unpack_pseudo_heads(module, query, key)
     attend = _real_attention_function(module)
     if value.shape[1] != queries.shape[1]:  # grouped values: the keys are per head already

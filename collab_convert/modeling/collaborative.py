@@ -25,20 +25,24 @@ def _padded(width: int, chunk: int) -> int:
     return chunk * math.ceil(width / chunk)
 
 
+def _zero_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    return weight if weight.shape[0] == rows else nn.functional.pad(weight, (0, 0, 0, rows - weight.shape[0]))
+
+
 class CollaborativeMixin:
     """Methods shared by every collaborative attention class (mixed into a subclass of the original)."""
 
     is_collaborative = True
 
     def collaborative_query(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        shared = self.shared_query(hidden_states)
-        return nn.functional.pad(shared, (0, self._query_width - shared.shape[-1]))
+        """x W~_Q, zero-padded to whole head_dim chunks: one GEMM with zero rows, no copy afterwards."""
+        weight = self.shared_query.weight
+        return nn.functional.linear(hidden_states, _zero_rows(weight, self._query_width))
 
     def collaborative_key(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        shared = self.shared_key(hidden_states)
-        bias = torch.matmul(hidden_states, self.content_bias.T)  # (..., N_h)
-        packed = torch.cat([shared, bias], dim=-1)
-        return nn.functional.pad(packed, (0, self._key_width - packed.shape[-1]))
+        """The packed shared key [y W~_K, y.r_1 .. y.r_N], zero-padded to whole head_dim chunks: one GEMM."""
+        weight = torch.cat([self.shared_key.weight, self.content_bias])
+        return nn.functional.linear(hidden_states, _zero_rows(weight, self._key_width))
 
     def pseudo_heads(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Shared query and packed shared key as (B, pseudo-heads, n, head_dim), for forwards of our own."""

@@ -1,0 +1,111 @@
+"""Forward and decode speed of collaborative models against their originals, measured side by side.
+
+    python benchmarks/inference_speed.py [--quick]
+
+- Encoder: all-MiniLM-L6-v2 (the embedded default), batch 32 x 128 tokens, forward pass, at ranks 192 and 96.
+- Decoder: an OPT-125m-shaped model (12 layers, D=768, 12 heads, random weights: speed does not depend on the
+  values), a 2048-token prompt, then one greedy decode step with the KV cache, at rank D/2 = 384; plus the
+  bytes of the cache after the prompt.
+
+The models are timed interleaved (A B C A B C ...) in one process and the medians compared, so machine noise
+hits every model alike. Ratios are compressed / original: below 1 is faster. CPU threads: torch's default.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import collab_convert  # noqa: E402
+from collab_convert import CompressOptions, compress  # noqa: E402
+from collab_convert.io.folders import DEFAULT_MODEL, resolve_model  # noqa: E402
+
+
+def interleaved(calls: dict, repeats: int) -> dict[str, float]:
+    times = {name: [] for name in calls}
+    for call in calls.values():
+        call()  # warm-up
+    for _ in range(repeats):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+@torch.inference_mode()
+def encoder(scratch: Path, repeats: int) -> None:
+    from transformers import AutoModel
+
+    source = resolve_model(DEFAULT_MODEL)
+    models = {"original": AutoModel.from_pretrained(source).eval()}
+    for rank in (192, 96):
+        compress(str(source), CompressOptions(rank=rank, output=scratch / f"minilm-{rank}"))
+        models[f"rank {rank}"] = AutoModel.from_pretrained(scratch / f"minilm-{rank}").eval()
+    ids = torch.randint(1000, 20000, (32, 128), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    medians = interleaved({name: (lambda m=m: m(input_ids=ids, attention_mask=mask)) for name, m in models.items()},
+                          repeats)
+    print("Encoder: all-MiniLM-L6-v2, batch 32 x 128, forward pass (median of", repeats, "interleaved runs)")
+    for name, seconds in medians.items():
+        print(f"  {name:10s} {seconds * 1000:8.1f} ms   {seconds / medians['original']:.3f}x")
+
+
+def opt_shaped(folder: Path) -> None:
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    config = OPTConfig(vocab_size=50272, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                       ffn_dim=3072, max_position_embeddings=4096, word_embed_proj_dim=768)
+    OPTForCausalLM(config).eval().save_pretrained(folder)
+
+
+def cache_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+@torch.inference_mode()
+def decoder(scratch: Path, repeats: int, prompt_length: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    opt_shaped(scratch / "opt")
+    compress(str(scratch / "opt"), CompressOptions(rank=384, output=scratch / "opt-384"))
+    models = {"original": AutoModelForCausalLM.from_pretrained(scratch / "opt").eval(),
+              "rank 384": AutoModelForCausalLM.from_pretrained(scratch / "opt-384").eval()}
+    prompt = torch.randint(3, 50000, (1, prompt_length), generator=torch.Generator().manual_seed(0))
+    for model in models.values():
+        model.generation_config.pad_token_id = model.config.pad_token_id
+    caches, nexts = {}, {}
+    for name, model in models.items():
+        out = model(input_ids=prompt, use_cache=True)
+        caches[name], nexts[name] = out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+    def step(name):
+        cache = caches[name]
+        models[name](input_ids=nexts[name], cache=cache, use_cache=True)
+        cache.crop(-1)  # back to the prompt, so every timed step is the same step
+
+    sizes = {name: cache_bytes(cache) for name, cache in caches.items()}
+    medians = interleaved({name: (lambda n=name: step(n)) for name in models}, repeats)
+    print(f"Decoder: OPT-125m-shaped, {prompt_length}-token prompt, one greedy decode step with the KV cache")
+    for name, seconds in medians.items():
+        print(f"  {name:10s} {seconds * 1000:8.1f} ms   {seconds / medians['original']:.3f}x   "
+              f"cache {sizes[name] / 2**20:7.1f} MiB   {sizes[name] / sizes['original']:.3f}x")
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    with tempfile.TemporaryDirectory() as scratch:
+        encoder(Path(scratch), 3 if quick else 9)
+        decoder(Path(scratch), 5 if quick else 21, 512 if quick else 2048)
+
+
+if __name__ == "__main__":
+    main()
