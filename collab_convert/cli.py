@@ -300,12 +300,14 @@ def _print_plan(model: str, options: CompressOptions, as_json: bool) -> None:
 
 
 def _print_compression(result, rank) -> None:
-    table = Table(title=f"Collaborative attention ({'auto ranks' if rank == 'auto' else f'rank {rank}'}): {result.model}")
-    for column in ("layer", "rank", "relative error", "per-head truncation", "Q/K params before", "after"):
-        table.add_column(column, justify="left" if column == "layer" else "right")
+    from .results import layer_labels
+
+    labels = layer_labels([layer.name for layer in result.layers])
+    table = _table(f"Collaborative attention ({'auto ranks' if rank == 'auto' else f'rank {rank}'}): {result.model}",
+                   "layer", "rank", "relative error", "per-head truncation", "Q/K params before", "after")
     for layer in result.layers:
         table.add_row(
-            layer.name,
+            labels[layer.name],
             str(layer.rank),
             f"{layer.relative_error:.4f}",
             "-" if layer.per_head_truncation_error != layer.per_head_truncation_error else f"{layer.per_head_truncation_error:.4f}",

@@ -50,6 +50,7 @@ def test_compress_table_output(tiny_bert, tmp_path):
     result = runner.invoke(app, ["compress", str(tiny_bert), "--rank", "48", "-o", str(tmp_path / "o")])
     assert result.exit_code == 0, result.output
     assert "0.0000" in result.stdout and "load_model" in result.stdout
+    assert "layer 0" in result.stdout and "layer 1" in result.stdout  # the labels analyze uses
 
 
 def test_max_error_gate_exits_one(tiny_bert, tmp_path, capsys):
