@@ -129,7 +129,8 @@ def with_options(options_model, after: str):
                                      help=field.description, show_default=not field.is_required()),
                 annotation=_cli_type(field),
             )
-            for name, field in options_model.model_fields.items()
+            for name, field in sorted(options_model.model_fields.items(),
+                                      key=lambda item: item[0] not in options_model.__annotations__)
         ]
         position = next(i for i, p in enumerate(own) if p.name == after) + 1
         parameters = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
