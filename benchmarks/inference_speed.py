@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import collab_convert  # noqa: E402
+import collab_convert  # noqa: E402,F401 - registers the loader with transformers
 from collab_convert import CompressOptions, compress  # noqa: E402
 from collab_convert.io.folders import DEFAULT_MODEL, resolve_model  # noqa: E402
 
