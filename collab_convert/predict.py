@@ -109,11 +109,14 @@ class FidelityEstimator:
         """The smallest multiple of `step` whose mean cosine reaches `target` (bisection: fidelity grows with
         rank), or the full rank, which is exact."""
         low, high = 1, full // step  # in units of step; the full rank always reaches any target
+        probes, total = 0, max((high - low).bit_length(), 1)
         while low < high:
             middle = (low + high) // 2
-            progress("searching ranks", 0, 1)
+            progress("searching ranks", probes, total)
             if self.at(middle * step).cosine_mean >= target:
                 high = middle
             else:
                 low = middle + 1
+            probes += 1
+        progress("searching ranks", total, total)
         return self.at(low * step) if low * step < full else Estimate(full, 1.0, 1.0)
