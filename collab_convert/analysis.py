@@ -130,8 +130,6 @@ def _measure_fidelity(source: SourceModel, settings: CompressOptions, metrics, h
             estimate = estimator.at(prediction.rank, progress)
             prediction.cosine_mean, prediction.cosine_p01 = estimate.cosine_mean, estimate.cosine_p01
     if settings.target_cosine is not None:
-        step = min(layer.shape.num_heads for layer in source.layers)
-        full = max(layer.shape.key_dim for layer in source.layers)
-        found = estimator.smallest_rank(settings.target_cosine, step, full, progress)
+        found = estimator.smallest_rank(settings.target_cosine, progress)
         result.target = {"target_cosine": settings.target_cosine, "rank": found.rank,
                          "cosine_mean": found.cosine_mean, "cosine_p01": found.cosine_p01}

@@ -46,7 +46,8 @@ def compress(model: str, options: CompressOptions, progress: Progress = no_progr
         if options.calibration is not None:
             fitted, held_out = calibration_texts(options)
             metrics, calibration = calibrate(source, options, fitted, progress)
-        ranks, rank_choice = choose_ranks(source, options, metrics, held_out, progress)
+        estimator = _estimator(source, options, metrics, held_out)
+        ranks, rank_choice = choose_ranks(source, options, metrics, estimator, progress)
         output = Path(check_plan(source, options, ranks).output)
         with StagedOutput(output) as staged:
             reports, files = convert_weights(source, options, staged.folder, progress, ranks, metrics)
@@ -56,8 +57,10 @@ def compress(model: str, options: CompressOptions, progress: Progress = no_progr
                 layers=reports, files=[], seconds=0.0, calibration=calibration, rank_choice=rank_choice,
             )
             write_format_config(source, reports, staged.folder, result.method + ("+calibrated" if calibration else ""))
-            if held_out is not None:  # calibration text lends lines to measure the result on
-                result.fidelity = _measure(source, options, metrics, held_out, staged.folder, progress)
+            if held_out is not None and estimator is not None:  # calibration lends lines to measure the result on
+                progress("measuring fidelity", 0, 1)
+                result.fidelity = estimator.measured(staged.folder)
+                progress("measuring fidelity", 1, 1)
             progress("writing reports and plots", 0, 1)
             files += ["config.json"] + _write_reports(result, source, staged.folder, started)
             progress("writing reports and plots", 1, 1)
@@ -68,7 +71,21 @@ def compress(model: str, options: CompressOptions, progress: Progress = no_progr
     return result
 
 
-def choose_ranks(source: SourceModel, options: CompressOptions, metrics, held_out,
+def _estimator(source: SourceModel, options: CompressOptions, metrics, held_out):
+    """The one fidelity estimator a run needs, built only if something will be measured: the rank search of
+    `--rank auto`, or the finished checkpoint on held-out calibration lines. None for models that cannot be run
+    on text."""
+    from .predict import FidelityEstimator, can_measure, default_probe
+
+    searches = options.rank == "auto" and options.energy is None
+    if not can_measure(source) or not (searches or held_out is not None):
+        return None
+    # Estimates skip refinement: the final compression refines, which only lowers the error.
+    settings = options.model_copy(update={"refine_steps": 0})
+    return FidelityEstimator(source, settings, held_out or default_probe(), metrics)
+
+
+def choose_ranks(source: SourceModel, options: CompressOptions, metrics, estimator,
                  progress: Progress) -> tuple[dict[str, int], dict[str, Any] | None]:
     """One rank per layer, and how it was chosen (for the report).
 
@@ -78,41 +95,19 @@ def choose_ranks(source: SourceModel, options: CompressOptions, metrics, held_ou
     """
     if options.rank != "auto":
         return {layer.prefix: options.rank for layer in source.layers}, None
-    from .predict import DEFAULT_TARGET_COSINE, can_measure
+    from .predict import DEFAULT_TARGET_COSINE
 
-    if options.energy is not None or not can_measure(source):
+    if options.energy is not None or estimator is None:
         share = options.energy if options.energy is not None else 0.95
         reason = "asked for" if options.energy is not None else "the model cannot be run on text to measure fidelity"
         return energy_ranks(source, options.model_copy(update={"energy": share}), metrics), {
             "mode": "energy", "energy": share, "why": reason,
         }
     target = options.target_cosine or DEFAULT_TARGET_COSINE
-    estimate, probe = _search(source, options, metrics, held_out, target, progress)
-    choice = {"mode": "fidelity target", "target_cosine": target, "probe": probe,
+    estimate = estimator.smallest_rank(target, progress)
+    choice = {"mode": "fidelity target", "target_cosine": target, "probe": estimator.probe.description,
               "estimated_cosine_mean": estimate.cosine_mean, "estimated_cosine_p01": estimate.cosine_p01}
     return {layer.prefix: min(estimate.rank, layer.shape.key_dim) for layer in source.layers}, choice
-
-
-def _search(source: SourceModel, options: CompressOptions, metrics, held_out, target: float, progress: Progress):
-    from .predict import FidelityEstimator, default_probe
-
-    probe = held_out or default_probe()
-    # The estimate runs without refinement; the final compression refines, which only lowers the error.
-    estimator = FidelityEstimator(source, options.model_copy(update={"refine_steps": 0}), probe, metrics)
-    step = min(layer.shape.num_heads for layer in source.layers)
-    full = max(layer.shape.key_dim for layer in source.layers)
-    return estimator.smallest_rank(target, step, full, progress), probe.description
-
-
-def _measure(source: SourceModel, options: CompressOptions, metrics, probe, folder: Path, progress: Progress):
-    from .predict import FidelityEstimator, can_measure
-
-    if not can_measure(source):
-        return None
-    progress("measuring fidelity", 0, 1)
-    figures = FidelityEstimator(source, options, probe, metrics).measured(folder)
-    progress("measuring fidelity", 1, 1)
-    return figures
 
 
 def _write_reports(result: CompressResult, source: SourceModel, folder: Path, started: float) -> list[str]:

@@ -92,11 +92,10 @@ class FidelityEstimator:
         next-token top-1 agreement and KL."""
         cosine_mean, cosine_p01 = self.cosines(folder)
         figures = {"measured_on": self.probe.description, "cosine_mean": cosine_mean, "cosine_p01": cosine_p01}
-        architectures = self.source.config.get("architectures") or []
-        if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
-            from transformers import AutoModelForCausalLM
+        from .integration.fidelity import is_language_model, next_token_agreement
 
-            from .integration.fidelity import next_token_agreement
+        if is_language_model(self.source.config.get("architectures")):
+            from transformers import AutoModelForCausalLM
 
             figures["top1_agreement"], figures["kl_mean"] = next_token_agreement(
                 AutoModelForCausalLM.from_pretrained(folder).eval(),
@@ -105,9 +104,11 @@ class FidelityEstimator:
             )
         return figures
 
-    def smallest_rank(self, target: float, step: int, full: int, progress: Progress = no_progress) -> Estimate:
-        """The smallest multiple of `step` whose mean cosine reaches `target` (bisection: fidelity grows with
-        rank), or the full rank, which is exact."""
+    def smallest_rank(self, target: float, progress: Progress = no_progress) -> Estimate:
+        """The smallest multiple of the head count whose mean cosine reaches `target` (bisection: fidelity grows
+        with rank), or the full rank, which is exact."""
+        step = min(layer.shape.num_heads for layer in self.source.layers)
+        full = max(layer.shape.key_dim for layer in self.source.layers)
         low, high = 1, full // step  # in units of step; the full rank always reaches any target
         probes, total = 0, max((high - low).bit_length(), 1)
         while low < high:

@@ -52,6 +52,11 @@ def cosine_stats(reference: torch.Tensor, candidate: torch.Tensor) -> CosineStat
     )
 
 
+def is_language_model(architectures: list[str] | None) -> bool:
+    """Whether a config's architectures predict next tokens (then next-token agreement is measured too)."""
+    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures or [])
+
+
 @torch.no_grad()
 def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: int = 128,
                          progress=None) -> tuple[float, float]:
@@ -87,7 +92,7 @@ def verify(model: str, against: str, texts: list[str], thresholds: dict[str, flo
     except Exception as error:  # noqa: BLE001
         raise BadInputError(f"{model} has no usable tokenizer: {error}") from None
     config = AutoConfig.from_pretrained(base_folder)
-    causal = any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in (config.architectures or []))
+    causal = is_language_model(config.architectures)
     base = AutoModel.from_pretrained(base_folder).eval()
     compressed = AutoModel.from_pretrained(folder).eval()
     cos = cosine_stats(

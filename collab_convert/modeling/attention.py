@@ -70,8 +70,7 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
 def _real_attention_function(module) -> Callable:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    config = module.config._base if isinstance(module.config, CollaborativeConfigView) else module.config
-    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    implementation = _implementation(module)
     if implementation == "eager":
         # The family's own eager function, where its modeling file has one (some add position biases).
         own = getattr(sys.modules.get(module.collaborative_origin.__module__), "eager_attention_forward", None)
