@@ -28,9 +28,17 @@ def plan(model: str, options: CompressOptions) -> CompressPlan:
     """Check the model, the ranks and the output location; decompose nothing, write nothing."""
     source = open_model(model)
     try:
-        return check_plan(source, options)
+        return _check(source, options)
     finally:
         source.close()
+
+
+def _check(source: SourceModel, options: CompressOptions, ranks: dict[str, int] | None = None) -> CompressPlan:
+    if source.family.is_rotary:
+        from .rotary_stages import layer_width, plan_layers
+
+        return check_plan(source, options, layers=plan_layers(source, layer_width(source, options)))
+    return check_plan(source, options, ranks)
 
 
 def compress(model: str, options: CompressOptions, progress: Progress = no_progress) -> CompressResult:
@@ -41,22 +49,34 @@ def compress(model: str, options: CompressOptions, progress: Progress = no_progr
     source = open_model(model)
     progress("opening the model", 1, 1)
     try:
-        check_plan(source, options)  # refuse bad input before the costly calibration
-        metrics, calibration, held_out = None, None, None
+        _check(source, options)  # refuse bad input before the costly calibration
+        metrics, calibration, held_out, fitted = None, None, None, None
         if options.calibration is not None:
             fitted, held_out = calibration_texts(options)
-            metrics, calibration = calibrate(source, options, fitted, progress)
-        estimator = _estimator(source, options, metrics, held_out)
-        ranks, rank_choice = choose_ranks(source, options, metrics, estimator, progress)
-        output = Path(check_plan(source, options, ranks).output)
+            if not source.family.is_rotary:
+                metrics, calibration = calibrate(source, options, fitted, progress)
+        ranks = None
+        if source.family.is_rotary:
+            convert, write_record, calibration, rank_choice = _rotary(source, options, fitted, progress)
+            estimator = _estimator(source, options, None, held_out)
+        else:
+            estimator = _estimator(source, options, metrics, held_out)
+            ranks, rank_choice = choose_ranks(source, options, metrics, estimator, progress)
+
+            def convert(folder):
+                return convert_weights(source, options, folder, progress, ranks, metrics)
+
+            def write_record(reports, folder, method):
+                write_format_config(source, reports, folder, method)
+        output = Path(_check(source, options, ranks).output)
         with StagedOutput(output) as staged:
-            reports, files = convert_weights(source, options, staged.folder, progress, ranks, metrics)
+            reports, files = convert(staged.folder)
             files += copy_non_weight_files(source.folder, staged.folder)
             result = CompressResult(
                 model=model, output=str(output), family=source.family.name, method=options.method,
                 layers=reports, files=[], seconds=0.0, calibration=calibration, rank_choice=rank_choice,
             )
-            write_format_config(source, reports, staged.folder, result.method + ("+calibrated" if calibration else ""))
+            write_record(reports, staged.folder, result.method + ("+calibrated" if calibration else ""))
             if held_out is not None and estimator is not None:  # calibration lends lines to measure the result on
                 progress("measuring fidelity", 0, 1)
                 result.fidelity = estimator.measured(staged.folder)
@@ -69,6 +89,38 @@ def compress(model: str, options: CompressOptions, progress: Progress = no_progr
     finally:
         source.close()
     return result
+
+
+def _rotary(source: SourceModel, options: CompressOptions, texts: list[str] | None, progress: Progress):
+    """The shared rotary key's stages (rotary_stages.py): statistics, one budget over layers and frequencies,
+    then how to write the layers and the record."""
+    from .rotary_stages import (
+        allocate_ranks,
+        calibrated_statistics,
+        convert_rotary_weights,
+        layer_width,
+        weight_statistics,
+        write_rotary_config,
+    )
+
+    width = layer_width(source, options)
+    calibration = None
+    if texts is not None:
+        statistics, calibration = calibrated_statistics(source, options, texts, progress)
+    else:
+        statistics = {layer.prefix: weight_statistics(source, layer) for layer in source.layers}
+    ranks = allocate_ranks(source, statistics, width)
+    choice = {"mode": "key-cache budget", "numbers_per_token_and_layer": width,
+              "share_of_key_cache": round(width / max(layer.full_rank for layer in source.layers), 4),
+              "spread": "over layers and rotary frequencies, where the most score energy stays"}
+
+    def convert(folder: Path):
+        return convert_rotary_weights(source, options, folder, progress, ranks, statistics)
+
+    def write_record(reports, folder: Path, method: str) -> None:
+        write_rotary_config(source, reports, folder, method)
+
+    return convert, write_record, calibration, choice
 
 
 def _estimator(source: SourceModel, options: CompressOptions, metrics, held_out):

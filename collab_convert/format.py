@@ -36,6 +36,19 @@ CONTENT_BIAS = "content_bias"
 COLLABORATIVE_TENSORS = (SHARED_QUERY, SHARED_KEY, MIXING, CONTENT_BIAS)
 FUSED_VALUE = "value_projection"  # what is left of a fused query/key/value projection: the values
 
+# The rotary form (Tucker: per-head queries kept, one shared rotary key; decompose/rotary.py). For module P:
+#   P.shared_key.weight / .bias  (2W + P', D_in)  the shared key, where no key norm sits between (else:)
+#   P.key_mixing                 (2W + P', G d)    the shared key from the normalised keys (QK-norm families)
+#   P.query_core                 (N_h, 2, W)       head i's complex coefficients per shared rotary slot
+#   P.pass_core                  (N_h, p, P')      head i's map onto the shared pass-through dimensions
+#   P.query_projection.weight / .bias              the query part of a fused projection
+ROTARY_FORM = "rotary-shared-key"
+SHARED_KEY_BIAS = "shared_key.bias"
+KEY_MIXING = "key_mixing"
+QUERY_CORE = "query_core"
+PASS_CORE = "pass_core"
+FUSED_QUERY = "query_projection"
+
 
 @dataclass(frozen=True)
 class HeadCounts:
@@ -107,6 +120,15 @@ class FormatConfig:
         grouped = {"kv_heads": heads.kv_heads} if heads.kv_heads != heads.num_heads else {}
         return {"rank": rank, "num_heads": heads.num_heads, **grouped}
 
+    @staticmethod
+    def rotary_entry(heads: HeadCounts, head_dim: int, rotary_dim: int, frequency_ranks, pass_rank: int) -> dict:
+        """One rotary layer's record: the cache width as `rank`, and how it splits over frequencies."""
+        return {
+            "form": ROTARY_FORM, "rank": 2 * sum(frequency_ranks) + pass_rank, "num_heads": heads.num_heads,
+            "kv_heads": heads.kv_heads, "head_dim": head_dim, "rotary_dim": rotary_dim,
+            "frequency_ranks": list(frequency_ranks), "pass_rank": pass_rank,
+        }
+
     def layer_shapes(self) -> dict[str, tuple[int, HeadCounts]]:
         """Module prefix -> (rank, heads), as recorded."""
         shapes = {}
@@ -128,7 +150,7 @@ def is_collaborative(config: dict[str, Any]) -> bool:
     return (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
 
 
-def write_config(original: dict[str, Any], family: str, method: str, layers: dict[str, dict[str, int]],
+def write_config(original: dict[str, Any], family: str, method: str, layers: dict[str, dict[str, Any]],
                  folder: Path) -> None:
     """config.json of the output: the original's, untouched `architectures`/`model_type`, plus the record."""
     config = dict(original)

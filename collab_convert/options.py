@@ -41,9 +41,17 @@ class _ModelInputs(BaseModel):
 class CompressOptions(_ModelInputs):
     """Options shared by the CLI and the Python API."""
 
-    rank: int | Literal["auto"] = Field(
-        description="Shared query/key dimension R for every layer, or 'auto': the smallest rank reaching --target-cosine.",
+    rank: int | Literal["auto"] | None = Field(
+        None,
+        description="Shared query/key dimension R for every layer, or 'auto': the smallest rank reaching "
+        "--target-cosine. Rotary decoders: the shared key's numbers per token and layer, on average.",
         json_schema_extra={"flags": ["--rank", "-r"], "cli_type": str},
+    )
+    # Rotary decoders: the key cache as a share of the original's, spread over layers and frequencies.
+    key_cache: float | None = Field(
+        None, gt=0, le=1,
+        description="Rotary decoders: keep this share of the key cache (e.g. 0.5), spread over layers and "
+        "frequencies where it keeps the most score energy. Instead of --rank.",
     )
     energy: float | None = Field(
         None, gt=0, le=1,
@@ -93,6 +101,8 @@ class CompressOptions(_ModelInputs):
     @field_validator("rank", mode="before")
     @classmethod
     def _rank(cls, value):
+        if value is None:
+            return value
         if isinstance(value, str) and value != "auto":
             try:
                 value = int(value)

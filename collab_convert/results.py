@@ -103,6 +103,9 @@ class LayerReport(_Data):
     # singular values of the query- and key-side unfoldings, for the spectra plot
     query_spectrum: list[float] = field(default_factory=list)
     key_spectrum: list[float] = field(default_factory=list)
+    # rotary layers: complex shared dimensions per RoPE frequency, real ones for pass-through dimensions
+    frequency_ranks: list[int] | None = None
+    pass_rank: int | None = None
 
 
 @dataclass

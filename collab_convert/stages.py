@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,7 +25,10 @@ from .progress import Progress
 from .results import CompressPlan, LayerReport, rounded
 
 
-def check_plan(source: SourceModel, options: CompressOptions, ranks: dict[str, int] | None = None) -> CompressPlan:
+def check_plan(source: SourceModel, options: CompressOptions, ranks: dict[str, int] | None = None,
+               layers: list[dict] | None = None) -> CompressPlan:
+    """Refuse what cannot work before anything costly runs. `layers`: the per-layer plan where a form other than
+    the CP form (the rotary shared key) made it; else made here from the ranks."""
     parse_size(options.max_shard_size)
     output = options.output.expanduser().resolve()
     check_output(output, source.folder, options.overwrite)
@@ -32,14 +36,8 @@ def check_plan(source: SourceModel, options: CompressOptions, ranks: dict[str, i
         raise BadInputError(f"--device {options.device} was asked for, but torch sees no CUDA device here")
     if options.calibration is not None and not method_named(options.method).calibrates:
         raise BadInputError(f"--calibration does not work with the {options.method} method")
-    layers = []
-    for layer in source.layers:
-        rank = (ranks or {}).get(layer.prefix, options.rank)
-        if rank != "auto":
-            layer.check_rank(rank)
-        before = original_cost(layer.shape, has_bias=layer.has_query_bias).parameters
-        after = collaborative_cost(layer.shape, rank).parameters if rank != "auto" else None
-        layers.append({"name": layer.prefix, "rank": rank, "parameters_before": before, "parameters_after": after})
+    if layers is None:
+        layers = _plan_layers(source, options, ranks)
     return CompressPlan(
         model=source.source,
         output=str(output),
@@ -49,6 +47,22 @@ def check_plan(source: SourceModel, options: CompressOptions, ranks: dict[str, i
         parameters_before=sum(layer["parameters_before"] for layer in layers),
         parameters_after=sum(layer["parameters_after"] or 0 for layer in layers),
     )
+
+
+def _plan_layers(source: SourceModel, options: CompressOptions, ranks: dict[str, int] | None) -> list[dict]:
+    if options.key_cache is not None:
+        raise BadInputError("--key-cache is for rotary decoders, whose cache holds the shared key; give --rank")
+    if options.rank is None:
+        raise BadInputError("give --rank R (the shared query/key dimension), or --rank auto")
+    layers = []
+    for layer in source.layers:
+        rank = (ranks or {}).get(layer.prefix, options.rank)
+        if rank != "auto":
+            layer.check_rank(rank)
+        before = original_cost(layer.shape, has_bias=layer.has_query_bias).parameters
+        after = collaborative_cost(layer.shape, rank).parameters if rank != "auto" else None
+        layers.append({"name": layer.prefix, "rank": rank, "parameters_before": before, "parameters_after": after})
+    return layers
 
 
 PROBE_TEXTS = 32  # texts a fidelity estimate measures on
@@ -129,19 +143,38 @@ def energy_ranks(source: SourceModel, options: CompressOptions, metrics) -> dict
 
 def convert_weights(source: SourceModel, options: CompressOptions, folder: Path, progress: Progress,
                      ranks: dict[str, int], metrics):
-    """Stream every tensor to the output in input order; at each attention layer, fit it and write its
-    collaborative tensors in place of the ones it replaces. One layer and one tensor in memory at a time."""
+    """Every tensor to the output in input order; at each attention layer, its collaborative tensors (fitted
+    there) in place of the ones they replace."""
+    def specs(layer: AttentionLayer) -> list[TensorSpec]:
+        return source.family.layout.output_specs(source.reader, layer, ranks[layer.prefix])
+
+    def fit(layer: AttentionLayer):
+        return _fit_layer(source, layer, options, ranks[layer.prefix], metrics[layer.prefix] if metrics else None)
+
+    return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit)
+
+
+def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progress: Progress,
+                   layer_specs: Callable[[AttentionLayer], list[TensorSpec]],
+                   fit: Callable[[AttentionLayer], tuple[LayerReport, dict[str, torch.Tensor]]]):
+    """Stream every tensor to the output in input order; at each attention layer, fit it and write its new
+    tensors in place of the ones they replace. One layer and one tensor in memory at a time; every output
+    tensor's name, dtype and shape is known (layer_specs) before anything is computed."""
     by_anchor = {layer.anchor: layer for layer in source.layers}
     replaced = {name for layer in source.layers for name in layer.replaced}
-    writer = ShardWriter(folder, _output_specs(source, ranks, by_anchor, replaced), parse_size(options.max_shard_size))
+    specs = []
+    for name in source.reader.names():
+        if name in by_anchor:
+            specs += layer_specs(by_anchor[name])
+        if name not in replaced:
+            specs.append(source.reader.spec(name))
+    writer = ShardWriter(folder, specs, max_shard_size)
     reader, reports = source.reader, []
     for name in reader.names():
         reader.release_all_but(name)  # keep one input shard mapped at a time
         if name in by_anchor:
             progress("decomposing", len(reports), len(source.layers))
-            layer = by_anchor[name]
-            metric = metrics[layer.prefix] if metrics else None
-            report, tensors = _fit_layer(source, layer, options, ranks[layer.prefix], metric)
+            report, tensors = fit(by_anchor[name])
             reports.append(report)
             for new_name, tensor in tensors.items():
                 writer.add(new_name, tensor)
@@ -149,18 +182,6 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
             writer.add(name, reader.get(name))
     progress("decomposing", len(reports), len(source.layers))
     return reports, writer.finish()
-
-
-def _output_specs(source: SourceModel, ranks: dict[str, int], by_anchor, replaced) -> list[TensorSpec]:
-    """Names, dtypes and shapes of every output tensor, in writing order, before anything is computed."""
-    specs = []
-    for name in source.reader.names():
-        if name in by_anchor:
-            layer = by_anchor[name]
-            specs += source.family.layout.output_specs(source.reader, layer, ranks[layer.prefix])
-        if name not in replaced:
-            specs.append(source.reader.spec(name))
-    return specs
 
 
 def _fit_layer(source: SourceModel, layer: AttentionLayer, options: CompressOptions, rank: int, metric):

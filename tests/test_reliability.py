@@ -71,8 +71,8 @@ def test_model_without_attention_weights(tiny_bert, tmp_path, capsys):
 
 def test_unsupported_architecture(tiny_bert, tmp_path, capsys):
     config = json.loads((tiny_bert / "config.json").read_text())
-    config["model_type"] = "llama"
-    other = copy_model(tiny_bert, tmp_path / "llama")
+    config["model_type"] = "gptj"
+    other = copy_model(tiny_bert, tmp_path / "gptj")
     (other / "config.json").write_text(json.dumps(config))
     code, err = run_cli(capsys, "analyze", other)
     assert code == 3

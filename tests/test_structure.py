@@ -19,7 +19,7 @@ LAYERS = {
     "modeling": 3,
     "architectures": 4,
     "integration": 5, "report": 5,
-    "stages": 6, "predict": 7,
+    "stages": 6, "rotary_stages": 7, "predict": 7,
     "analysis": 8, "compression": 8,
     "cli": 9, "__init__": 9, "__main__": 10,
 }

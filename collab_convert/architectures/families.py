@@ -17,6 +17,7 @@ from ..errors import UnsupportedModelError
 from ..modeling.forwards import gpt_bigcode_forward, mpnet_forward, opt_forward
 from ..format import HeadCounts
 from .layouts import FusedProjection, Layout, SeparateProjections
+from .rotary import RotaryProjections
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     sites: tuple[Site, ...]
-    layout: Layout = SeparateProjections()
+    layout: Layout | RotaryProjections = SeparateProjections()
     # Modules that compute scores inline instead of calling the attention interface need our forward.
     forward: Callable | None = None
     # Config values the collaborative form cannot reproduce, as (key, allowed values, reason).
@@ -45,6 +46,11 @@ class Family:
     # Scores are exactly softmax(q.k / sqrt(d_k)) plus masks, so calibration can refine them against the
     # original's attention (families with position biases or other scalings are fitted, not refined).
     refinable: bool = True
+
+    @property
+    def is_rotary(self) -> bool:
+        """Rotary families take the shared rotary key (Tucker form), not the CP form."""
+        return isinstance(self.layout, RotaryProjections)
 
     def site_of(self, module_name: str) -> Site | None:
         for site in self.sites:
@@ -162,20 +168,74 @@ FAMILIES: tuple[Family, ...] = (
     ),
 )
 
+_DECODER_LAYERS = (Site(r"(^|\.)layers\.\d+\.self_attn$", causal=True),)
+
+
+def _kv_heads(config: dict[str, Any]) -> int:
+    return int(config.get("num_key_value_heads") or config.get("num_attention_heads") or 0)
+
+
+# Rotary decoders: per-head queries kept, one shared key per frequency (decompose/rotary.py). RoPE itself,
+# masks, sliding windows and soft-capping stay the model's own (modeling/rotary.py).
+ROTARY_FAMILIES: tuple[Family, ...] = (
+    Family(
+        name="llama",
+        model_types=("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "gemma", "gemma2", "granite"),
+        sites=_DECODER_LAYERS,
+        layout=RotaryProjections(),
+    ),
+    Family(
+        # The norm acts on each head's query and key before RoPE: it stays, and the normalised keys are shared.
+        name="qk_norm",
+        model_types=("qwen3", "qwen3_moe", "gemma3_text"),
+        sites=_DECODER_LAYERS,
+        layout=RotaryProjections(query_norm="q_norm", key_norm="k_norm"),
+    ),
+    Family(
+        name="olmo2",
+        model_types=("olmo2",),
+        sites=_DECODER_LAYERS,
+        layout=RotaryProjections(query_norm="q_norm", key_norm="k_norm", norm_over_heads=True),
+    ),
+    Family(
+        name="phi3",
+        model_types=("phi3",),
+        sites=_DECODER_LAYERS,
+        layout=RotaryProjections(fused="qkv_proj"),
+        kv_heads=_kv_heads,
+    ),
+    Family(
+        # Partial rotary; qk_layernorm (optional) normalises each head's query and key.
+        name="phi",
+        model_types=("phi",),
+        sites=_DECODER_LAYERS,
+        layout=RotaryProjections(output="dense", query_norm="q_layernorm", key_norm="k_layernorm"),
+    ),
+    Family(
+        # Partial rotary, and q/k/v interleaved head by head in one projection.
+        name="gpt_neox",
+        model_types=("gpt_neox",),
+        sites=(Site(r"(^|\.)layers\.\d+\.attention$", causal=True),),
+        layout=RotaryProjections(fused="query_key_value", interleaved=True, output="dense"),
+    ),
+)
+FAMILIES = FAMILIES + ROTARY_FAMILIES
+
 # Families the collaborative form cannot represent exactly, and why. Checked before FAMILIES.
-_ROTARY = (
-    "it uses rotary position embeddings, which make W_Q R W_K^T depend on the token offset, so heads cannot "
-    "share one query/key projection exactly"
+_OTHER_ROTARY = (
+    "its rotary position embeddings are laid out or applied differently from the rotate_half layout the shared "
+    "rotary key supports (llama, mistral, qwen2/3, gemma/2/3, olmo2, phi, phi3, gpt_neox are supported)"
 )
 REFUSED: dict[str, str] = {
     **{
-        t: _ROTARY
+        t: _OTHER_ROTARY
         for t in (
-            "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma", "gemma2",
-            "gemma3", "gemma3_text", "phi", "phi3", "gpt_neox", "gptj", "falcon", "olmo", "olmo2", "stablelm",
-            "starcoder2", "cohere", "granite", "roformer", "esm", "modernbert", "nomic_bert", "gpt_neo",
+            "gptj", "falcon", "olmo", "stablelm", "starcoder2", "cohere", "roformer", "esm", "modernbert",
+            "nomic_bert",
         )
     },
+    "gemma3": "it is the multimodal Gemma 3 wrapper; compress a text-only Gemma 3 checkpoint (model_type gemma3_text)",
+    "gpt_neo": "its local attention layers have no 1/sqrt(d_k) scaling and a windowed mask of their own",
     "deberta": "its disentangled attention adds content-to-position terms with their own projections",
     "deberta-v2": "its disentangled attention adds content-to-position terms with their own projections",
 }

@@ -37,17 +37,26 @@ class AttentionLayer:
     kv_heads: int  # key/value heads: fewer than the query heads under grouped-query attention
     key_input_dim: int  # width of the key-side inputs (the query side's for self-attention)
     causal: bool = False
+    rotary_dim: int = 0  # rotary families: RoPE's dimensions per head (the shared key is per frequency)
 
     @property
     def key_rows(self) -> int:
         return self.kv_heads * self.shape.head_dim
 
+    @property
+    def full_rank(self) -> int:
+        """Where the collaborative form is exact: every head's query/key dimension, or for the rotary shared
+        key every key head's numbers (the per-head queries stay)."""
+        return self.key_rows if self.rotary_dim else self.shape.key_dim
+
     def check_rank(self, rank: int) -> None:
         """The one refusal of a rank above the layer's full rank, where the collaborative form is exact."""
-        if rank > self.shape.key_dim:
+        if rank > self.full_rank:
+            heads = self.kv_heads if self.rotary_dim else self.shape.num_heads
+            kind = " key" if self.rotary_dim else ""
             raise BadInputError(
                 f"rank {rank} exceeds the full rank of {self.prefix} "
-                f"({self.shape.num_heads} heads x {self.shape.head_dim} = {self.shape.key_dim})"
+                f"({heads}{kind} heads x {self.shape.head_dim} = {self.full_rank})"
             )
 
 

@@ -13,6 +13,7 @@ from ..io.tensors import TensorReader
 from .families import Family, family_for
 from .layouts import AttentionLayer, Projections, natural_key
 from .naming import model_renamer
+from .rotary import rotary_dim_of
 
 
 @dataclass
@@ -53,6 +54,13 @@ def find_attention_layers(reader: TensorReader, family: Family, config: dict[str
             continue
         prefix = name[: -len(suffix)]
         site = family.site_of(prefix)
-        if site is not None:
-            layers.append(family.layout.find(reader, prefix, family.heads(config, site), site.causal))
+        if site is None:
+            continue
+        heads = family.heads(config, site)
+        if family.is_rotary:
+            layer = family.layout.find(reader, prefix, heads, site.causal, family.layout.keeps_key_projection(config))
+            layer.rotary_dim = rotary_dim_of(config, layer.shape.head_dim)
+        else:
+            layer = family.layout.find(reader, prefix, heads, site.causal)
+        layers.append(layer)
     return sorted(layers, key=lambda layer: natural_key(layer.prefix))

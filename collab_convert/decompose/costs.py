@@ -89,3 +89,44 @@ def break_even_length(before: QueryKeyCost, after: QueryKeyCost, shape: LayerSha
     if extra_per_key <= 0:
         return 10**9  # cheaper at every length
     return saved // extra_per_key
+
+
+@dataclass(frozen=True)
+class RotaryShape:
+    """A rotary attention layer's query/key block: per-head queries, grouped keys (kv_heads <= num_heads)."""
+
+    input_dim: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    key_norm: bool = False  # QK-norm: the key projection stays, the shared key mixes its normalised output
+
+    @property
+    def key_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def original_rotary_cost(shape: RotaryShape, has_bias: bool = False) -> QueryKeyCost:
+    d, queries, keys = shape.input_dim, shape.num_heads * shape.head_dim, shape.key_width
+    return QueryKeyCost(
+        rank=None,
+        parameters=d * (queries + keys) + ((queries + keys) if has_bias else 0),
+        projection_flops_per_token=d * (queries + keys),
+        score_flops={n: n * n * queries for n in SEQUENCE_LENGTHS},
+        key_cache_per_token=keys,
+    )
+
+
+def shared_rotary_cost(shape: RotaryShape, width: int, pass_core: int = 0, has_bias: bool = False) -> QueryKeyCost:
+    """Per-head queries kept, one shared key of `width` numbers per token, a per-head core onto it (two numbers
+    per complex slot, `pass_core` for the pass-through dimensions)."""
+    d, queries = shape.input_dim, shape.num_heads * shape.head_dim
+    key = d * shape.key_width + width * shape.key_width if shape.key_norm else d * width
+    core = shape.num_heads * width + pass_core
+    return QueryKeyCost(
+        rank=width,
+        parameters=d * queries + key + core + ((queries + width) if has_bias else 0),
+        projection_flops_per_token=d * queries + key + 2 * core,
+        score_flops={n: n * n * shape.num_heads * width for n in SEQUENCE_LENGTHS},
+        key_cache_per_token=width,
+    )

@@ -139,3 +139,47 @@ def _hook(*adders):
             add(args[0].detach())
 
     return hook
+
+
+def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[str], max_length: int = 128,
+                              progress=None) -> dict:
+    """Query energy and key second moments of every rotary layer on real text (decompose/rotary.py), as means
+    per token. `layers` maps a prefix to (geometry, head counts). The queries and keys are the module's own,
+    after any QK-norm and before RoPE, computed from the hidden states it receives."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from ..decompose.rotary import statistics_of
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as error:  # noqa: BLE001 - many ways for a tokenizer to be missing or broken
+        raise BadInputError(f"calibration needs the model's tokenizer, which could not be loaded: {error}") from None
+    model = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+    sums: dict = {prefix: None for prefix in layers}
+    tokens = {prefix: 0 for prefix in layers}
+    base = getattr(model, "base_model_prefix", None)
+    wanted = {strip_prefix(p, base): p for p in layers}
+
+    def observer(prefix):
+        geometry, heads = layers[prefix]
+
+        def hook(module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            queries, keys = family.layout.original_queries_keys(module, hidden, heads)
+            for query, key in zip(queries, keys, strict=True):  # one sequence per text: no padding
+                found = statistics_of(query.float(), key.float(), geometry)
+                sums[prefix] = found if sums[prefix] is None else sums[prefix] + found
+                tokens[prefix] += query.shape[0]
+
+        return hook
+
+    handles = [module.register_forward_pre_hook(observer(wanted[strip_prefix(name, base)]), with_kwargs=True)
+               for name, module in model.named_modules() if strip_prefix(name, base) in wanted]
+    if len(handles) != len(layers):
+        raise BadInputError("not every attention module of the model could be observed for calibration")
+    try:
+        _run(model, tokenizer, texts, max_length, progress)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {prefix: found.scaled(1 / tokens[prefix]) for prefix, found in sums.items()}

@@ -39,7 +39,7 @@ class CollaborativeQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         config = self.quantization_config
-        collaborate_model(model, family_named(config.family), config.layer_shapes(),
+        collaborate_model(model, family_named(config.family), config.layers,
                           getattr(model, "base_model_prefix", None))
         return model
 

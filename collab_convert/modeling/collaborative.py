@@ -17,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-from ..format import FUSED_VALUE, HeadCounts
+from ..format import FUSED_VALUE, ROTARY_FORM, HeadCounts
 from .attention import CollaborativeConfigView, register_attention_function
 
 
@@ -122,20 +122,28 @@ def strip_prefix(name: str, prefix: str | None) -> str:
     return name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
 
 
-def collaborate_model(model: nn.Module, family, layers: dict[str, tuple[int, HeadCounts]], base_prefix: str | None):
-    """Swap every attention module in `layers` (checkpoint prefix -> (rank, heads)) for its collaborative form.
+def collaborate_model(model: nn.Module, family, layers: dict[str, dict], base_prefix: str | None):
+    """Swap every attention module recorded in `layers` (checkpoint prefix -> its config.json record) for its
+    collaborative form: the CP form (rank, heads) or the rotary shared-key form (modeling/rotary.py).
 
     Checkpoint prefixes and module names may differ by the base-model prefix (a BertModel checkpoint loaded
     into BertForSequenceClassification gains "bert."), so both sides are compared without it.
     """
+    from .rotary import make_rotary
+
     register_attention_function()
-    wanted = {strip_prefix(name, base_prefix): spec for name, spec in layers.items()}
+    wanted = {strip_prefix(name, base_prefix): entry for name, entry in layers.items()}
     converted = []
     for name, module in list(model.named_modules()):
-        spec = wanted.get(strip_prefix(name, base_prefix))
-        if spec is None or getattr(module, "is_collaborative", False):
+        entry = wanted.get(strip_prefix(name, base_prefix))
+        if entry is None or getattr(module, "is_collaborative", False):
             continue
-        make_collaborative(module, family, *spec)
+        if entry.get("form") == ROTARY_FORM:
+            make_rotary(module, family, entry)
+        else:
+            num_heads = int(entry["num_heads"])
+            heads = HeadCounts(num_heads, int(entry.get("kv_heads") or num_heads))
+            make_collaborative(module, family, int(entry["rank"]), heads)
         converted.append(name)
     if len(converted) != len(wanted):
         missing = sorted(set(wanted) - {strip_prefix(n, base_prefix) for n in converted})

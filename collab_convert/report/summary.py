@@ -16,7 +16,22 @@ def _sum(result: "CompressResult", side: str, key: str) -> int:
     return sum(getattr(layer, side)[key] for layer in result.layers)
 
 
+def _rotary(result: "CompressResult") -> bool:
+    return any(layer.frequency_ranks is not None for layer in result.layers)
+
+
+def _rotary_sentence(result: "CompressResult") -> str:
+    widths = [layer.rank for layer in result.layers]
+    full = result.layers[0].cost_before["key_cache_per_token"]
+    spread = f"{min(widths)} to {max(widths)} per layer, " if min(widths) != max(widths) else ""
+    return (f"Every attention layer ({len(result.layers)}) keeps its per-head queries and shares one rotary key "
+            f"across its key heads, frequency by frequency (RoPE stays exact): {spread}"
+            f"{sum(widths) / len(widths):.1f} numbers per token on average, of {full} in the original key cache.")
+
+
 def rank_sentence(result: "CompressResult") -> str:
+    if _rotary(result):
+        return _rotary_sentence(result)
     ranks = sorted({layer.rank for layer in result.layers})
     full = sorted({layer.num_heads * layer.head_dim for layer in result.layers})
     shown = str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]} to {ranks[-1]} (per layer)"
@@ -54,7 +69,12 @@ def cost_lines(result: "CompressResult") -> list[str]:
 def _break_even(result: "CompressResult") -> str:
     saved = sum(l.cost_before["projection_flops_per_token"] - l.cost_after["projection_flops_per_token"]
                 for l in result.layers)
-    extra = sum(l.num_heads * (l.rank + 1) - l.num_heads * l.head_dim for l in result.layers)
+    extra = sum(l.num_heads * (l.rank + (0 if l.frequency_ranks is not None else 1)) - l.num_heads * l.head_dim
+                for l in result.layers)
+    if saved <= 0 and _rotary(result):
+        return ("compute: each head keeps its query projection and scores against the shared key, so the "
+                "gains are the key cache and the key projection; scores cost "
+                + ("less" if extra <= 0 else "more") + " per key than the original")
     if saved <= 0:
         return ("compute: every head scores in R + 1 dimensions, so the query/key block costs more per token than "
                 "the original at every length; the gains are parameters and the key cache")
@@ -77,8 +97,9 @@ def fidelity_lines(result: "CompressResult") -> list[str]:
 
 
 def summary_lines(result: "CompressResult") -> list[str]:
-    return [rank_sentence(result), "", *cost_lines(result), *fidelity_lines(result),
-            f"- mean relative error of the head products: {result.mean_relative_error:.4f}"]
+    error = (f"- score energy lost (weighted by the queries that read the keys): {result.mean_relative_error:.4f}"
+             if _rotary(result) else f"- mean relative error of the head products: {result.mean_relative_error:.4f}")
+    return [rank_sentence(result), "", *cost_lines(result), *fidelity_lines(result), error]
 
 
 def _share(part: int, whole: int) -> str:

@@ -17,7 +17,7 @@ def test_bert_family_is_recognised(model_type):
 
 @pytest.mark.parametrize(
     "model_type, reason",
-    [("llama", "rotary"), ("qwen2", "rotary"), ("deberta-v2", "disentangled"), ("whisper-x", "not supported")],
+    [("gptj", "rotary"), ("cohere", "rotary"), ("deberta-v2", "disentangled"), ("whisper-x", "not supported")],
 )
 def test_unsupported_models_are_refused_with_a_reason(model_type, reason):
     with pytest.raises(UnsupportedModelError, match=reason):

@@ -1,0 +1,272 @@
+"""A shared key for rotary attention, exact under RoPE: per frequency, across key heads (pure math, torch only).
+
+RoPE multiplies frequency pair j of every head (dimension j with j + rotary_dim/2, the rotate_half layout) by
+the same e^{i m theta_j}. Written as one complex number per head and frequency, k_{g,j}, a complex-linear mix
+ACROSS heads WITHIN one frequency commutes with the rotation. So the shared key holds, for each frequency j,
+R_j complex dimensions  shared_j = to_shared_j [k_{1,j} .. k_{G,j}]  rotated at theta_j as usual, and query
+head i in key group g reads it through its own complex coefficients (its core):
+
+    q_{i,j} conj(k_{g,j})  ~  sum_r  (q_{i,j} core_{i,j,r}) conj(shared_{j,r}),   core_{i,j,r} = conj(from_shared_j[g, r])
+
+exact when R_j = G for every j. Dimensions RoPE leaves alone (partial rotary) share a real subspace the same way.
+
+Which subspace: the one that loses the least score energy. With the query energy of each group w_g and the
+second moment of the keys C, the loss of dropping a direction is an eigenvalue of W^1/2 C W^1/2; that
+eigenvalue is in score units, so one ordering spreads a key-cache budget across frequencies and layers.
+Keys are NOT centred for rotary dimensions: a constant key offset rotates with position and does not cancel
+in the softmax. Pass-through dimensions are centred: there it does cancel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RotaryGeometry:
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int  # leading dimensions of each head that RoPE rotates (head_dim unless partial rotary)
+
+    @property
+    def frequencies(self) -> int:
+        return self.rotary_dim // 2
+
+    @property
+    def pass_dim(self) -> int:
+        return self.head_dim - self.rotary_dim
+
+    @property
+    def group_of_head(self) -> torch.Tensor:
+        return torch.arange(self.num_heads) // (self.num_heads // self.kv_heads)
+
+    @property
+    def full_width(self) -> int:
+        """Key numbers per token of the original layer: every key head's vector."""
+        return self.kv_heads * self.head_dim
+
+
+@dataclass
+class KeyStatistics:
+    """What decides the shared key of one layer: query energy and key second moments, per frequency.
+
+    From weights alone (inputs taken as isotropic) or from activations on calibration text."""
+
+    key_moment: torch.Tensor  # (F, G, G) complex: E[k_j k_j^H] over tokens, uncentred
+    query_energy: torch.Tensor  # (F, G) real: sum over the query heads of group g of E|q_{i,j}|^2
+    pass_key_covariance: torch.Tensor  # (G p, G p): covariance of the pass-through key dimensions, centred
+    pass_query_moment: torch.Tensor  # (G, p, p): sum over the heads of group g of E[q_pass q_pass^T]
+
+    def __add__(self, other: "KeyStatistics") -> "KeyStatistics":
+        return KeyStatistics(*(a + b for a, b in zip(self._parts(), other._parts(), strict=True)))
+
+    def scaled(self, factor: float) -> "KeyStatistics":
+        return KeyStatistics(*(part * factor for part in self._parts()))
+
+    def _parts(self):
+        return self.key_moment, self.query_energy, self.pass_key_covariance, self.pass_query_moment
+
+
+def complex_pairs(vectors: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """(..., head_dim) real -> (..., rotary_dim/2) complex: dimension j with j + rotary_dim/2."""
+    half = rotary_dim // 2
+    return torch.complex(vectors[..., :half].double(), vectors[..., half:rotary_dim].double())
+
+
+def statistics_of(queries: torch.Tensor, keys: torch.Tensor, geometry: RotaryGeometry) -> KeyStatistics:
+    """Sums (not means) over the tokens of one sequence: queries (n, N_h, d) and keys (n, G, d), before RoPE."""
+    key_pairs = complex_pairs(keys, geometry.rotary_dim).permute(2, 1, 0)  # (F, G, n)
+    query_pairs = complex_pairs(queries, geometry.rotary_dim)  # (n, N_h, F)
+    energy = torch.zeros(geometry.frequencies, geometry.kv_heads, dtype=torch.float64)
+    energy.index_add_(1, geometry.group_of_head, (query_pairs.abs() ** 2).sum(0).T)
+    p = geometry.pass_dim
+    pass_keys = keys[..., geometry.rotary_dim:].reshape(keys.shape[0], -1).double()
+    centred = pass_keys - pass_keys.mean(0, keepdim=True)
+    pass_queries = queries[..., geometry.rotary_dim:].double()  # (n, N_h, p)
+    query_moment = torch.zeros(geometry.kv_heads, p, p, dtype=torch.float64)
+    query_moment.index_add_(0, geometry.group_of_head, torch.einsum("nhp,nhq->hpq", pass_queries, pass_queries))
+    return KeyStatistics(key_pairs @ key_pairs.conj().transpose(1, 2), energy, centred.T @ centred, query_moment)
+
+
+def weight_statistics(query_weight: torch.Tensor, query_bias: torch.Tensor | None, key_weight: torch.Tensor,
+                      key_bias: torch.Tensor | None, geometry: RotaryGeometry) -> KeyStatistics:
+    """Statistics from the projections alone, for unit-variance isotropic inputs: each weight row's input
+    dimensions become tokens, and the biases one more token."""
+    def tokens(weight, bias, heads):
+        rows = weight.double().T.reshape(weight.shape[1], heads, geometry.head_dim)
+        if bias is None:
+            return rows
+        return torch.cat([rows, bias.double().reshape(1, heads, geometry.head_dim)])
+
+    return statistics_of(tokens(query_weight, query_bias, geometry.num_heads),
+                         tokens(key_weight, key_bias, geometry.kv_heads), geometry)
+
+
+@dataclass
+class WeightedSubspace:
+    """The best rank-R shared subspace of vectors v with second moment C, errors weighted by W."""
+
+    to_shared: torch.Tensor  # (R, n): shared = to_shared @ v
+    from_shared: torch.Tensor  # (n, R): v ~ from_shared @ shared
+    losses: torch.Tensor  # (n,) score energy each direction carries, largest first
+
+
+def weighted_subspace(moment: torch.Tensor, weight_root: torch.Tensor, rank: int) -> WeightedSubspace:
+    """Minimise E ||W^1/2 (v - from_shared to_shared v)||^2 over rank-R maps: the top eigenvectors P of
+    W^1/2 C W^1/2 give to_shared = P^H W^1/2 and from_shared = W^-1/2 P (exact at full rank)."""
+    weighted = weight_root @ moment @ weight_root.conj().T
+    weighted = (weighted + weighted.conj().T) / 2
+    values, vectors = torch.linalg.eigh(weighted)
+    order = torch.argsort(values, descending=True)
+    values, vectors = values[order].clamp_min(0), vectors[:, order[:rank]]
+    return WeightedSubspace(vectors.conj().T @ weight_root, torch.linalg.pinv(weight_root) @ vectors, values)
+
+
+def _regularised(weight: torch.Tensor) -> torch.Tensor:
+    """A weight with no zero direction (a silent head must not make the map singular)."""
+    floor = 1e-6 * (weight.diagonal().real.mean().clamp_min(1e-30))
+    return weight + floor * torch.eye(weight.shape[0], dtype=weight.dtype)
+
+
+def _matrix_root(matrix: torch.Tensor) -> torch.Tensor:
+    values, vectors = torch.linalg.eigh((matrix + matrix.conj().T) / 2)
+    return (vectors * values.clamp_min(0).sqrt()) @ vectors.conj().T
+
+
+def frequency_subspace(statistics: KeyStatistics, frequency: int, rank: int) -> WeightedSubspace:
+    weight = _regularised(torch.diag(statistics.query_energy[frequency]).to(torch.complex128))
+    return weighted_subspace(statistics.key_moment[frequency], _matrix_root(weight), rank)
+
+
+def pass_subspace(statistics: KeyStatistics, rank: int) -> WeightedSubspace:
+    weight = _regularised(torch.block_diag(*statistics.pass_query_moment))
+    return weighted_subspace(statistics.pass_key_covariance, _matrix_root(weight), rank)
+
+
+@dataclass
+class KeySpectrum:
+    """Score energy lost by dropping each shared direction, per frequency and for the pass-through dimensions."""
+
+    frequency_losses: torch.Tensor  # (F, G), largest first within a frequency
+    pass_losses: torch.Tensor  # (G p,)
+
+
+def key_spectrum(statistics: KeyStatistics, geometry: RotaryGeometry) -> KeySpectrum:
+    losses = torch.stack([frequency_subspace(statistics, j, 0).losses for j in range(geometry.frequencies)])
+    passes = pass_subspace(statistics, 0).losses if geometry.pass_dim else torch.zeros(0, dtype=torch.float64)
+    return KeySpectrum(losses.float(), passes.float())
+
+
+@dataclass(frozen=True)
+class KeyRanks:
+    """Shared dimensions of one layer: complex ones per frequency, real ones for the pass-through part."""
+
+    frequency_ranks: tuple[int, ...]
+    pass_rank: int
+
+    @property
+    def width(self) -> int:
+        """Cached numbers per token: two per complex dimension, one per real one."""
+        return 2 * sum(self.frequency_ranks) + self.pass_rank
+
+    @staticmethod
+    def full(geometry: RotaryGeometry) -> "KeyRanks":
+        return KeyRanks((geometry.kv_heads,) * geometry.frequencies, geometry.kv_heads * geometry.pass_dim)
+
+
+def allocate(spectra: list[KeySpectrum], budget: int) -> list[KeyRanks]:
+    """Spread `budget` cached numbers per token (over all layers) where they keep the most score energy.
+
+    Items are shared directions; a complex one costs 2 numbers, a real one 1. Losses fall within each
+    frequency, so taking items by loss per number picks a prefix of every frequency. Every layer keeps at least
+    its strongest complex direction, so no layer's scores collapse to uniform attention."""
+    items = []  # (loss per number, layer, frequency or -1 for pass-through, cost)
+    counts = [[0] * s.frequency_losses.shape[0] for s in spectra]
+    passes = [0] * len(spectra)
+    spent = 0
+    for layer, spectrum in enumerate(spectra):
+        strongest = int(spectrum.frequency_losses[:, 0].argmax())
+        counts[layer][strongest], spent = 1, spent + 2
+        for j, losses in enumerate(spectrum.frequency_losses.tolist()):
+            items += [(loss / 2, layer, j, 2) for loss in losses[1 if j == strongest else 0:]]
+        items += [(loss, layer, -1, 1) for loss in spectrum.pass_losses.tolist()]
+    items.sort(key=lambda item: (-item[0], item[1], item[2]))  # ties broken by position: deterministic
+    for _, layer, frequency, cost in items:
+        if spent + cost > budget:
+            continue
+        spent += cost
+        if frequency < 0:
+            passes[layer] += 1
+        else:
+            counts[layer][frequency] += 1
+    return [KeyRanks(tuple(c), p) for c, p in zip(counts, passes, strict=True)]
+
+
+@dataclass
+class RotaryFactors:
+    """One layer's shared rotary key, in the layout the checkpoint stores.
+
+    key_mixing maps a token's key vector (all key heads, original layout, after any key norm) to the shared key
+    [real parts (W) | imaginary parts (W) | pass-through (P)], W = sum_j R_j, slots ordered by frequency.
+    query_core[i] = (real, imaginary) coefficients of head i per complex slot; pass_core[i] maps head i's
+    pass-through query (p) onto the P shared pass-through dimensions."""
+
+    key_mixing: torch.Tensor  # (2W + P, G d)
+    query_core: torch.Tensor  # (N_h, 2, W)
+    pass_core: torch.Tensor  # (N_h, p, P)
+    ranks: KeyRanks
+    lost_energy: float  # share of the score energy the dropped directions carried
+
+
+def slot_frequencies(ranks: KeyRanks) -> torch.Tensor:
+    """The rotary frequency of every complex slot of the shared key."""
+    return torch.repeat_interleave(torch.arange(len(ranks.frequency_ranks)), torch.tensor(ranks.frequency_ranks))
+
+
+def fit_shared_key(statistics: KeyStatistics, geometry: RotaryGeometry, ranks: KeyRanks) -> RotaryFactors:
+    g, d, half = geometry.kv_heads, geometry.head_dim, geometry.frequencies
+    width = sum(ranks.frequency_ranks)
+    mixing = torch.zeros(2 * width + ranks.pass_rank, g * d, dtype=torch.float64)
+    core = torch.zeros(geometry.num_heads, 2, width, dtype=torch.float64)
+    groups, slot, lost, total = geometry.group_of_head, 0, 0.0, 0.0
+    for j, rank in enumerate(ranks.frequency_ranks):
+        subspace = frequency_subspace(statistics, j, rank)
+        lost, total = lost + float(subspace.losses[rank:].sum()), total + float(subspace.losses.sum())
+        # Unit rows keep the shared key at the scale of the original keys (matters in bf16); the core takes
+        # the scale instead, so the product is unchanged.
+        norms = subspace.to_shared.abs().norm(dim=1).clamp_min(1e-30)
+        to_shared, from_shared = subspace.to_shared / norms[:, None], subspace.from_shared * norms[None, :]
+        columns = torch.arange(g) * d + j
+        for r in range(rank):
+            a, b = to_shared[r].real, to_shared[r].imag  # shared = sum_g (a + ib)(k_re + i k_im)
+            mixing[slot + r, columns], mixing[slot + r, columns + half] = a, -b
+            mixing[width + slot + r, columns], mixing[width + slot + r, columns + half] = b, a
+            coefficient = from_shared[groups, r].conj()
+            core[:, 0, slot + r], core[:, 1, slot + r] = coefficient.real, coefficient.imag
+        slot += rank
+    pass_core = torch.zeros(geometry.num_heads, geometry.pass_dim, ranks.pass_rank, dtype=torch.float64)
+    if geometry.pass_dim:
+        subspace = pass_subspace(statistics, ranks.pass_rank)
+        lost, total = lost + float(subspace.losses[ranks.pass_rank:].sum()), total + float(subspace.losses.sum())
+        pass_columns = (torch.arange(g)[:, None] * d + geometry.rotary_dim + torch.arange(geometry.pass_dim)).flatten()
+        mixing[2 * width:, pass_columns] = subspace.to_shared.real
+        blocks = subspace.from_shared.real.reshape(g, geometry.pass_dim, ranks.pass_rank)
+        pass_core = blocks[groups]
+    return RotaryFactors(mixing, core, pass_core, ranks, lost / total if total > 0 else 0.0)
+
+
+def shared_scores(queries: torch.Tensor, keys: torch.Tensor, factors: RotaryFactors, geometry: RotaryGeometry,
+                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Reference scores (N_h, n, n) of the shared form for one sequence (queries (n, N_h, d), keys (n, G, d)),
+    cos/sin (n, rotary_dim) as transformers makes them; used by tests and the refinement."""
+    from .rotary_ops import query_in_shared_basis, rotate_shared_key, rotate_half_dims
+
+    rotated = rotate_half_dims(queries.transpose(0, 1), cos, sin, geometry.rotary_dim)
+    shared_query = query_in_shared_basis(rotated, factors.query_core, factors.pass_core,
+                                         slot_frequencies(factors.ranks), geometry.rotary_dim)
+    shared_key = keys.reshape(keys.shape[0], -1).to(factors.key_mixing.dtype) @ factors.key_mixing.T
+    shared_key = rotate_shared_key(shared_key, cos, sin, slot_frequencies(factors.ranks))
+    return shared_query @ shared_key.T

@@ -1,0 +1,84 @@
+"""GGUF files as input: transformers reads and dequantises them; we keep a float Hugging Face folder.
+
+A GGUF-loaded model refuses `save_pretrained`, so the folder is rebuilt the documented way: the model from its
+config, the dequantised state dict loaded into it, then saved. Dequantising takes about a minute for a
+135M-parameter model on two cores, so the folder is cached (keyed by the file's path, size and modification
+time) and written whole or not at all. Needs the optional `gguf` and `accelerate` packages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from ..errors import BadInputError
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+def cache_root() -> Path:
+    base = os.environ.get("COLLAB_CONVERT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "collab-convert"
+    )
+    return Path(base) / "gguf"
+
+
+def _check_magic(path: Path) -> None:
+    with open(path, "rb") as handle:
+        if handle.read(4) != b"GGUF":
+            raise BadInputError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+
+
+def gguf_folder(path: Path) -> Path:
+    """The dequantised Hugging Face folder of a GGUF file, converted once and then reused."""
+    path = path.resolve()
+    _check_magic(path)
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_root() / f"{path.stem}-{key}"
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = folder.parent / f".{folder.name}.collab-tmp-{os.getpid()}"
+    try:
+        _convert(path, staging)
+        try:
+            staging.rename(folder)
+        except OSError:  # another run converted the same file meanwhile: keep theirs
+            if not (folder / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _convert(path: Path, target: Path) -> None:
+    try:
+        import accelerate  # noqa: F401 - transformers' GGUF loader needs both
+        import gguf  # noqa: F401
+    except ImportError:
+        raise BadInputError(
+            f"{path.name} is a GGUF file; reading it needs the optional packages: "
+            "pip install 'collab-convert[gguf]' (gguf and accelerate)"
+        ) from None
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = str(path.parent), path.name
+    try:
+        config = AutoConfig.from_pretrained(directory, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    except Exception as error:  # noqa: BLE001 - a GGUF transformers cannot read is bad input, whatever the cause
+        raise BadInputError(f"transformers could not read {path.name}: {str(error).splitlines()[0]}") from None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=False)
+    target.mkdir()
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)

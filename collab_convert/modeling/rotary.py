@@ -1,0 +1,125 @@
+"""Rotary attention modules with one shared rotary key (the Tucker form; decompose/rotary.py has the math).
+
+Each head keeps its query projection (and QK-norm); one shared key of 2W + P numbers per token replaces the
+key heads; head i reads it through its core. The module gets a forward of our own, one for every rotary
+family, because the cache must hold the shared key itself: the family's forward would view and rotate keys
+head by head. Everything else is the module's: its projections, norms, scaling (1/sqrt(d_k), or Gemma's
+query_pre_attn_scalar), logit soft-capping, the model's masks (sliding windows included) and its RoPE tables
+(cos/sin from transformers' own rope code, so linear, dynamic, yarn, llama3 and longrope scaling carry over).
+
+Scores: all heads' shared-basis queries against the cached shared key in one matrix product, the key read
+once for every head; values stay grouped as in the original.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..decompose.rotary_ops import query_in_shared_basis, rotate_half_dims, rotate_shared_key
+from ..format import HeadCounts
+
+
+class RotarySharedKeyMixin:
+    is_collaborative = True
+
+    def slot_frequencies(self, device: torch.device) -> torch.Tensor:
+        cached = self._slot_frequencies.get(device)
+        if cached is None:
+            ranks = torch.tensor(self.frequency_ranks)
+            cached = torch.repeat_interleave(torch.arange(len(self.frequency_ranks)), ranks).to(device)
+            self._slot_frequencies[device] = cached
+        return cached
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
+        cache = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None) or kwargs.pop("layer_past", None)
+        layout, heads = self.rotary_layout, self.rotary_heads
+        batch, length = hidden_states.shape[:2]
+        query = layout.queries(self, hidden_states, heads.num_heads).transpose(1, 2)  # (b, N_h, n, d)
+        value = layout.values(self, hidden_states, heads.kv_heads).transpose(1, 2)  # (b, G, n, d)
+        key = layout.shared_key(self, hidden_states, heads.kv_heads).unsqueeze(1)  # (b, 1, n, 2W + P)
+        cos, sin = (table.unsqueeze(1) for table in position_embeddings)
+        slots = self.slot_frequencies(hidden_states.device)
+        query = rotate_half_dims(query, cos, sin, self.rotary_dim)
+        key = rotate_shared_key(key, cos, sin, slots)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        pass_core = getattr(self, "pass_core", None)
+        if pass_core is None:
+            pass_core = query.new_zeros(heads.num_heads, 0, 0)
+        query = query_in_shared_basis(query, self.query_core, pass_core, slots, self.rotary_dim)
+        output, weights = shared_key_attention(self, query, key, value, attention_mask)
+        output = output.reshape(batch, length, -1).contiguous()
+        return layout.output_projection(self)(output), weights
+
+
+def _additive(mask: torch.Tensor | None, module, queries: int, keys: int, dtype, device) -> torch.Tensor | None:
+    """The model's mask (float, bool, or None for plain causal attention) as an additive (…, n, m) tensor."""
+    if mask is not None:
+        mask = mask[..., -keys:] if mask.shape[-1] > keys else mask
+        if mask.dtype == torch.bool:
+            return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+        return mask.to(dtype)
+    if queries == 1 or not getattr(module, "is_causal", True):
+        return None
+    # Queries are the last `queries` positions of the keys (a cache may hold earlier ones).
+    position = torch.arange(keys - queries, keys, device=device)[:, None]
+    key_position = torch.arange(keys, device=device)[None, :]
+    allowed = key_position <= position
+    window = getattr(module, "sliding_window", None)
+    if window:
+        allowed &= key_position > position - window
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def shared_key_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask):
+    """query (b, N_h, n, K), key (b, 1, m, K), value (b, G, m, d) -> output (b, n, N_h, d), probabilities."""
+    batch, heads, length, width = query.shape
+    groups, keys = value.shape[1], key.shape[2]
+    scores = torch.matmul(query.reshape(batch, heads * length, width), key[:, 0].transpose(1, 2))
+    scores = scores.view(batch, heads, length, keys) * module.scaling
+    softcap = getattr(module, "attn_logit_softcapping", None)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    mask = _additive(attention_mask, module, length, keys, scores.dtype, scores.device)
+    if mask is not None:
+        scores = scores + mask
+    probabilities = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    dropout = getattr(module, "attention_dropout", 0.0) if module.training else 0.0
+    probabilities = nn.functional.dropout(probabilities, p=float(dropout or 0.0), training=module.training)
+    grouped = probabilities.view(batch, groups, (heads // groups) * length, keys)
+    output = torch.matmul(grouped, value).view(batch, heads, length, -1)
+    return output.transpose(1, 2), probabilities
+
+
+_CLASS_CACHE: dict[tuple[type, str], type] = {}
+
+
+def _rotary_class(original: type, family) -> type:
+    cache_key = (original, family.name)
+    if cache_key not in _CLASS_CACHE:
+        _CLASS_CACHE[cache_key] = type(
+            f"SharedKey{original.__name__}", (RotarySharedKeyMixin, original),
+            {"rotary_layout": family.layout, "collaborative_origin": original, "__module__": __name__},
+        )
+    return _CLASS_CACHE[cache_key]
+
+
+def make_rotary(module: nn.Module, family, entry: dict) -> nn.Module:
+    """Turn one rotary attention module into its shared-key form, in place, from its config.json record."""
+    heads = HeadCounts(int(entry["num_heads"]), int(entry["kv_heads"]))
+    head_dim, rotary_dim = int(entry["head_dim"]), int(entry["rotary_dim"])
+    frequency_ranks = [int(r) for r in entry["frequency_ranks"]]
+    pass_rank, slots = int(entry.get("pass_rank", 0)), sum(frequency_ranks)
+    width = 2 * slots + pass_rank
+    family.layout.detach_projections(module, heads, head_dim, width, bool(entry.get("key_norm")))
+    weight = next(module.parameters())
+    factory = {"device": weight.device, "dtype": weight.dtype}
+    module.query_core = nn.Parameter(torch.zeros(heads.num_heads, 2, slots, **factory))
+    if head_dim > rotary_dim:
+        module.pass_core = nn.Parameter(torch.zeros(heads.num_heads, head_dim - rotary_dim, pass_rank, **factory))
+    module.rotary_heads, module.rotary_dim, module.frequency_ranks = heads, rotary_dim, frequency_ranks
+    module._slot_frequencies = {}
+    module._is_hf_initialized = True
+    module.__class__ = _rotary_class(type(module), family)
+    return module

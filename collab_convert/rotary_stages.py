@@ -1,0 +1,231 @@
+"""The stages of compressing a rotary decoder into the shared rotary key form (decompose/rotary.py).
+
+    statistics per layer (from the weights, or from the model run on calibration text)
+    ->  one key-cache budget spread over layers and frequencies (allocate)
+    ->  each layer fitted where its tensors stream past (stages.stream_weights)  ->  config.json records
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from .architectures.layouts import AttentionLayer
+from .architectures.source import SourceModel
+from .decompose.costs import RotaryShape, original_rotary_cost, shared_rotary_cost
+from .decompose.rotary import (
+    KeyRanks,
+    KeyStatistics,
+    RotaryGeometry,
+    allocate,
+    fit_shared_key,
+    key_spectrum,
+    statistics_of,
+)
+from .errors import BadInputError
+from .format import (
+    FUSED_QUERY,
+    FUSED_VALUE,
+    KEY_MIXING,
+    PASS_CORE,
+    QUERY_CORE,
+    SHARED_KEY,
+    SHARED_KEY_BIAS,
+    FormatConfig,
+    HeadCounts,
+    write_config,
+)
+from .io.tensors import parse_size
+from .options import CompressOptions
+from .progress import Progress
+from .results import LayerReport, rounded
+from .stages import stream_weights
+
+
+def geometry_of(layer: AttentionLayer) -> RotaryGeometry:
+    return RotaryGeometry(layer.shape.num_heads, layer.kv_heads, layer.shape.head_dim, layer.rotary_dim)
+
+
+def key_norm(source: SourceModel) -> bool:
+    return source.family.layout.keeps_key_projection(source.config)
+
+
+def layer_width(source: SourceModel, options: CompressOptions) -> int:
+    """The shared key's numbers per token and layer, on average: --rank, or --key-cache of the original."""
+    full = max(layer.full_rank for layer in source.layers)
+    if options.key_cache is not None:
+        if options.rank is not None:
+            raise BadInputError("give --rank or --key-cache, not both")
+        width = round(options.key_cache * full)
+    elif isinstance(options.rank, int):
+        width = options.rank
+    else:
+        raise BadInputError(
+            f"{source.family.name} is a rotary decoder: give --key-cache (a share of the key cache, e.g. 0.5) or "
+            f"--rank (the shared key's numbers per token and layer, at most {full})"
+        )
+    for layer in source.layers:
+        layer.check_rank(width)
+    if width < 2:
+        raise BadInputError(f"a shared rotary key needs at least 2 numbers per token (one complex dimension), got {width}")
+    return width
+
+
+def plan_layers(source: SourceModel, width: int) -> list[dict]:
+    """What check_plan shows: each layer's query/key parameters before and after, at the average width."""
+    layers = []
+    for layer in source.layers:
+        shape = _shape(source, layer)
+        before = original_rotary_cost(shape, has_bias=layer.has_query_bias).parameters
+        after = shared_rotary_cost(shape, width, has_bias=layer.has_query_bias).parameters
+        layers.append({"name": layer.prefix, "rank": width, "parameters_before": before, "parameters_after": after})
+    return layers
+
+
+def _shape(source: SourceModel, layer: AttentionLayer) -> RotaryShape:
+    return RotaryShape(layer.shape.input_dim, layer.shape.num_heads, layer.kv_heads, layer.shape.head_dim,
+                       key_norm(source))
+
+
+# --- statistics -------------------------------------------------------------------------------------------------
+
+def weight_statistics(source: SourceModel, layer: AttentionLayer) -> KeyStatistics:
+    """From the weights alone, inputs taken as isotropic. Where a QK-norm sits before RoPE, its scale is applied
+    to the projected tokens and each head's vectors are brought to unit mean square, as the norm does."""
+    weights = source.family.layout.read(source.reader, layer)
+    geometry = geometry_of(layer)
+    queries = _tokens(weights.query_weight, weights.query_bias, geometry.num_heads, geometry.head_dim)
+    keys = _tokens(weights.key_weight, weights.key_bias, geometry.kv_heads, geometry.head_dim)
+    layout = source.family.layout
+    if layout.query_norm and key_norm(source):
+        queries = _normalised(queries, _norm_scale(source, layer, layout.query_norm), layout.norm_over_heads)
+        keys = _normalised(keys, _norm_scale(source, layer, layout.key_norm), layout.norm_over_heads)
+    return statistics_of(queries, keys, geometry)
+
+
+def _tokens(weight: torch.Tensor, bias: torch.Tensor | None, heads: int, head_dim: int) -> torch.Tensor:
+    """Each input dimension's contribution (and the bias) as one token: (D (+1), heads, d)."""
+    rows = weight.double().T.reshape(weight.shape[1], heads, head_dim)
+    return rows if bias is None else torch.cat([rows, bias.double().reshape(1, heads, head_dim)])
+
+
+def _norm_scale(source: SourceModel, layer: AttentionLayer, norm: str) -> torch.Tensor | None:
+    name = f"{layer.prefix}.{norm}.weight"
+    if name not in source.reader:
+        return None
+    scale = source.reader.get(name).double()
+    # Gemma's RMSNorm multiplies by (1 + weight); its config says so through model_type.
+    return scale + 1 if str(source.config.get("model_type", "")).startswith("gemma") else scale
+
+
+def _normalised(tokens: torch.Tensor, scale: torch.Tensor | None, over_heads: bool) -> torch.Tensor:
+    span = tokens.flatten(1) if over_heads else tokens
+    mean_square = (span**2).sum(0, keepdim=True).mean(-1, keepdim=True)  # per head (or all), over the tokens
+    unit = (span / mean_square.clamp_min(1e-30).sqrt()).reshape(tokens.shape)
+    if scale is None:
+        return unit
+    return unit * scale.reshape(-1, tokens.shape[-1]) if over_heads else unit * scale
+
+
+def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: list[str],
+                          progress: Progress) -> tuple[dict[str, KeyStatistics], dict]:
+    from .integration.capture import collect_rotary_statistics
+
+    layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads))
+              for layer in source.layers}
+    statistics = collect_rotary_statistics(source.folder, source.family, layers, texts,
+                                           options.calibration_max_length, progress)
+    calibration = {
+        "source": str(options.calibration),
+        "examples": len(texts),
+        "max_length": options.calibration_max_length,
+        "objective": "score energy on the calibration tokens: key second moments per frequency, weighted by "
+                     "the energy of the queries that read them",
+        "refinement": "off",
+    }
+    return statistics, calibration
+
+
+# --- budget and fit ----------------------------------------------------------------------------------------------
+
+def allocate_ranks(source: SourceModel, statistics: dict[str, KeyStatistics], width: int) -> dict[str, KeyRanks]:
+    """One budget of width x layers numbers per token, spread where the most score energy stays."""
+    spectra = [key_spectrum(statistics[layer.prefix], geometry_of(layer)) for layer in source.layers]
+    ranks = allocate(spectra, width * len(source.layers))
+    return {layer.prefix: r for layer, r in zip(source.layers, ranks, strict=True)}
+
+
+def convert_rotary_weights(source: SourceModel, options: CompressOptions, folder: Path, progress: Progress,
+                           ranks: dict[str, KeyRanks], statistics: dict[str, KeyStatistics]):
+    layout, normed = source.family.layout, key_norm(source)
+
+    def specs(layer: AttentionLayer):
+        r = ranks[layer.prefix]
+        return layout.output_specs(source.reader, layer, r.width, sum(r.frequency_ranks), r.pass_rank,
+                                   layer.shape.head_dim - layer.rotary_dim, normed)
+
+    def fit(layer: AttentionLayer):
+        return _fit_layer(source, layer, ranks[layer.prefix], statistics[layer.prefix], normed)
+
+    return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit)
+
+
+def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, statistics: KeyStatistics,
+               normed: bool):
+    started = time.perf_counter()
+    weights = source.family.layout.read(source.reader, layer)
+    factors = fit_shared_key(statistics, geometry_of(layer), ranks)
+    dtype, p = weights.query_weight.dtype, layer.prefix
+    tensors: dict[str, torch.Tensor] = {}
+    for suffix in ("weight", "bias"):
+        if f"{p}.{FUSED_QUERY}.{suffix}" in weights.kept:
+            tensors[f"{p}.{FUSED_QUERY}.{suffix}"] = weights.kept[f"{p}.{FUSED_QUERY}.{suffix}"]
+    if normed:
+        tensors[f"{p}.{KEY_MIXING}"] = factors.key_mixing
+    else:
+        tensors[f"{p}.{SHARED_KEY}"] = factors.key_mixing @ weights.key_weight.double()
+        if weights.key_bias is not None:
+            tensors[f"{p}.{SHARED_KEY_BIAS}"] = factors.key_mixing @ weights.key_bias.double()
+    for suffix in ("weight", "bias"):
+        if f"{p}.{FUSED_VALUE}.{suffix}" in weights.kept:
+            tensors[f"{p}.{FUSED_VALUE}.{suffix}"] = weights.kept[f"{p}.{FUSED_VALUE}.{suffix}"]
+    tensors[f"{p}.{QUERY_CORE}"] = factors.query_core
+    if layer.rotary_dim < layer.shape.head_dim:
+        tensors[f"{p}.{PASS_CORE}"] = factors.pass_core
+    tensors = {name: tensor.to(dtype).contiguous() for name, tensor in tensors.items()}
+    return _report(source, layer, factors, time.perf_counter() - started), tensors
+
+
+def _report(source: SourceModel, layer: AttentionLayer, factors, seconds: float) -> LayerReport:
+    shape = _shape(source, layer)
+    before = original_rotary_cost(shape, has_bias=layer.has_query_bias)
+    pass_core = factors.pass_core.numel()
+    after = shared_rotary_cost(shape, factors.ranks.width, pass_core, has_bias=layer.has_query_bias)
+    losses = key_spectrum_values(factors)
+    return LayerReport(
+        name=layer.prefix, rank=factors.ranks.width, num_heads=layer.shape.num_heads, head_dim=layer.shape.head_dim,
+        input_dim=layer.shape.input_dim, relative_error=factors.lost_energy, logit_error=None, refinement=None,
+        per_head_truncation_error=float("nan"), initialisation="weighted PCA of the keys per rotary frequency",
+        iterations=0, parameters_before=before.parameters, parameters_after=after.parameters, seconds=seconds,
+        cost_before=before.as_dict(), cost_after=after.as_dict(), query_spectrum=[], key_spectrum=losses,
+        frequency_ranks=list(factors.ranks.frequency_ranks), pass_rank=factors.ranks.pass_rank,
+    )
+
+
+def key_spectrum_values(factors) -> list[float]:
+    """The kept shared key's per-slot scale, largest first: what the spectra plot shows for rotary layers."""
+    return rounded(sorted(factors.key_mixing.norm(dim=1).tolist(), reverse=True))
+
+
+def write_rotary_config(source: SourceModel, reports: list[LayerReport], folder: Path, method: str) -> None:
+    normed = key_norm(source)
+    by_prefix = {layer.prefix: layer for layer in source.layers}
+    layers = {}
+    for report in reports:
+        layer = by_prefix[report.name]
+        entry = FormatConfig.rotary_entry(HeadCounts(layer.shape.num_heads, layer.kv_heads), layer.shape.head_dim,
+                                          layer.rotary_dim, report.frequency_ranks, report.pass_rank)
+        layers[report.name] = {**entry, **({"key_norm": True} if normed else {})}
+    write_config(source.config, source.family.name, method, layers, folder)
