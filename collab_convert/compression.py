@@ -104,9 +104,9 @@ def _rotary(source: SourceModel, options: CompressOptions, texts: list[str] | No
     )
 
     width = layer_width(source, options)
-    calibration = None
+    calibration, calibrations = None, None
     if texts is not None:
-        statistics, calibration = calibrated_statistics(source, options, texts, progress)
+        statistics, calibrations, calibration = calibrated_statistics(source, options, texts, progress)
     else:
         statistics = {layer.prefix: weight_statistics(source, layer) for layer in source.layers}
     ranks = allocate_ranks(source, statistics, width)
@@ -115,7 +115,7 @@ def _rotary(source: SourceModel, options: CompressOptions, texts: list[str] | No
               "spread": "over layers and rotary frequencies, where the most score energy stays"}
 
     def convert(folder: Path):
-        return convert_rotary_weights(source, options, folder, progress, ranks, statistics)
+        return convert_rotary_weights(source, options, folder, progress, ranks, statistics, calibrations)
 
     def write_record(reports, folder: Path, method: str) -> None:
         write_rotary_config(source, reports, folder, method)

@@ -141,35 +141,54 @@ def _hook(*adders):
     return hook
 
 
+@dataclass
+class RotaryCalibration:
+    """One rotary layer on calibration text: its statistics, and for refinement a few raw sequences and how
+    the layer turns scores into attention."""
+
+    statistics: object  # decompose.rotary.KeyStatistics, means per token
+    samples: list  # decompose.rotary_refinement.RotarySample, float16 to halve their memory
+    setting: object | None  # decompose.rotary_refinement.AttentionSetting
+
+
 def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[str], max_length: int = 128,
-                              progress=None) -> dict:
+                              progress=None, keep_samples: int = 0) -> dict:
     """Query energy and key second moments of every rotary layer on real text (decompose/rotary.py), as means
-    per token. `layers` maps a prefix to (geometry, head counts). The queries and keys are the module's own,
-    after any QK-norm and before RoPE, computed from the hidden states it receives."""
+    per token, and up to `keep_samples` raw sequences per layer. `layers` maps a prefix to (geometry, head
+    counts). The queries and keys are the module's own, after any QK-norm and before RoPE, computed from the
+    hidden states it receives; RoPE tables, scale and soft-capping are read from the same call."""
     from transformers import AutoModel, AutoTokenizer
 
     from ..decompose.rotary import statistics_of
+    from ..decompose.rotary_refinement import AttentionSetting, RotarySample
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as error:  # noqa: BLE001 - many ways for a tokenizer to be missing or broken
         raise BadInputError(f"calibration needs the model's tokenizer, which could not be loaded: {error}") from None
     model = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
-    sums: dict = {prefix: None for prefix in layers}
+    found = {prefix: RotaryCalibration(None, [], None) for prefix in layers}
     tokens = {prefix: 0 for prefix in layers}
     base = getattr(model, "base_model_prefix", None)
     wanted = {strip_prefix(p, base): p for p in layers}
 
     def observer(prefix):
         geometry, heads = layers[prefix]
+        record = found[prefix]
 
         def hook(module, args, kwargs):
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             queries, keys = family.layout.original_queries_keys(module, hidden, heads)
             for query, key in zip(queries, keys, strict=True):  # one sequence per text: no padding
-                found = statistics_of(query.float(), key.float(), geometry)
-                sums[prefix] = found if sums[prefix] is None else sums[prefix] + found
+                more = statistics_of(query.float(), key.float(), geometry)
+                record.statistics = more if record.statistics is None else record.statistics + more
                 tokens[prefix] += query.shape[0]
+                if len(record.samples) < keep_samples:
+                    record.samples.append(RotarySample(query.half().clone(), key.half().clone()))
+            cos, sin = kwargs["position_embeddings"]
+            if record.setting is None or record.setting.cos.shape[0] < cos.shape[1]:
+                record.setting = AttentionSetting(float(module.scaling), cos[0].float().clone(), sin[0].float().clone(),
+                                                  getattr(module, "attn_logit_softcapping", None))
 
         return hook
 
@@ -182,4 +201,6 @@ def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[st
     finally:
         for handle in handles:
             handle.remove()
-    return {prefix: found.scaled(1 / tokens[prefix]) for prefix, found in sums.items()}
+    for prefix, record in found.items():
+        record.statistics = record.statistics.scaled(1 / tokens[prefix])
+    return found

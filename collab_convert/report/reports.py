@@ -52,7 +52,8 @@ def markdown_report(result: "CompressResult") -> str:
         for layer in result.layers:
             kl = layer.refinement
             shown = f"{kl['kl_before']:.4f} / {kl['kl_after']:.4f}" if kl else "-"
-            lines.append(f"| {layer.name} | {layer.logit_error:.4f} | {shown} |")
+            logit = "-" if layer.logit_error is None else f"{layer.logit_error:.4f}"
+            lines.append(f"| {layer.name} | {logit} | {shown} |")
     lines += [
         "",
         "| layer | rank | relative error | per-head truncation | params before | params after | "
@@ -74,6 +75,7 @@ def markdown_report(result: "CompressResult") -> str:
             + " | ".join(scores)
             + f" | {layer.cost_before['key_cache_per_token']} / {layer.cost_after['key_cache_per_token']} |"
         )
+    lines += _rotary_lines(result)
     lines += [
         "",
         "Relative error is ||T - T~||_F / ||T||_F over the stacked per-head products T[i] = W_Q^(i) W_K^(i)^T. "
@@ -83,3 +85,17 @@ def markdown_report(result: "CompressResult") -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _rotary_lines(result: "CompressResult") -> list[str]:
+    """Rotary layers: how each layer's shared key splits over RoPE frequencies (fastest first)."""
+    rotary = [layer for layer in result.layers if layer.frequency_ranks is not None]
+    if not rotary:
+        return []
+    lines = ["", "For rotary layers, relative error is the share of score energy (keys weighted by the queries that "
+             "read them) the dropped shared directions carried. Shared complex dimensions per RoPE frequency, "
+             "fastest frequency first (each costs 2 cached numbers), and real pass-through dimensions:", "",
+             "| layer | per frequency | pass-through |", "|---|---|---:|"]
+    for layer in rotary:
+        lines.append(f"| {layer.name} | {' '.join(map(str, layer.frequency_ranks))} | {layer.pass_rank} |")
+    return lines

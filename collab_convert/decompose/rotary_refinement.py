@@ -1,0 +1,140 @@
+"""Refining a shared rotary key against the original layer's attention (pure torch: no model, no files).
+
+The weighted PCA (rotary.py) keeps the most score energy, but softmax only listens to the keys that win.
+Layer by layer, Adam adjusts the key mixing and the per-head cores so that each head's causal attention on
+calibration sequences matches the original's (mean KL divergence). Stochastic, as the CP refinement is: each
+step sees a few sequences and a few sampled query positions, so its cost does not grow with the calibration
+set; a held-out tenth of the sequences decides when to stop and which parameters to keep (the start counts,
+so the result is never worse there than the PCA it started from).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .rotary import RotaryFactors, RotaryGeometry, slot_frequencies
+from .rotary_ops import query_in_shared_basis, rotate_half_dims, rotate_shared_key
+
+
+@dataclass
+class RotarySample:
+    """One calibration sequence at one layer: queries (n, N_h, d) and keys (n, G, d) after norms, before RoPE."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+
+
+@dataclass
+class AttentionSetting:
+    """What the layer does to scores besides q.k: its scale, soft-capping, and RoPE tables (positions 0..n-1)."""
+
+    scaling: float
+    cos: torch.Tensor  # (n_max, rotary_dim)
+    sin: torch.Tensor
+    softcap: float | None = None
+
+
+@dataclass
+class RotaryRefinement:
+    factors: RotaryFactors
+    kl_before: float
+    kl_after: float
+    steps: int
+
+
+def _batch(samples: list[RotarySample], rows: int | None, generator) -> tuple:
+    """Padded (B, n, H, d) queries at sampled rows, (B, m, G, d) keys, row positions and valid masks."""
+    length = max(s.keys.shape[0] for s in samples)
+    picks = [torch.arange(s.queries.shape[0]) if rows is None
+             else torch.randperm(s.queries.shape[0], generator=generator)[:rows].sort().values for s in samples]
+    width = max(p.shape[0] for p in picks)
+    queries = torch.zeros(len(samples), width, *samples[0].queries.shape[1:])
+    keys = torch.zeros(len(samples), length, *samples[0].keys.shape[1:])
+    positions = torch.zeros(len(samples), width, dtype=torch.long)
+    row_valid = torch.zeros(len(samples), width, dtype=torch.bool)
+    key_valid = torch.zeros(len(samples), length, dtype=torch.bool)
+    for i, (sample, pick) in enumerate(zip(samples, picks, strict=True)):
+        queries[i, : pick.shape[0]] = sample.queries[pick].float()
+        positions[i, : pick.shape[0]] = pick
+        row_valid[i, : pick.shape[0]] = True
+        keys[i, : sample.keys.shape[0]] = sample.keys.float()
+        key_valid[i, : sample.keys.shape[0]] = True
+    return queries, keys, positions, row_valid, key_valid
+
+
+class _Problem:
+    """The original attention of a batch (fixed) and the shared form's, as a function of the parameters."""
+
+    def __init__(self, batch, geometry: RotaryGeometry, setting: AttentionSetting, slots: torch.Tensor):
+        queries, keys, positions, row_valid, key_valid = batch
+        self.geometry, self.setting, self.slots = geometry, setting, slots
+        length = keys.shape[1]
+        cos, sin = setting.cos[:length], setting.sin[:length]
+        self.key_cos, self.key_sin = cos, sin
+        row_cos, row_sin = setting.cos[positions][:, None], setting.sin[positions][:, None]  # (B, 1, rows, rd)
+        self.queries = rotate_half_dims(queries.transpose(1, 2), row_cos, row_sin, geometry.rotary_dim)
+        self.keys = keys.flatten(2)  # (B, m, G d)
+        allowed = key_valid[:, None, :] & (torch.arange(length)[None, None, :] <= positions[:, :, None])
+        self.allowed = allowed[:, None]  # (B, 1, rows, m)
+        self.valid = row_valid[:, None, :].expand(-1, geometry.num_heads, -1)
+        rotated_keys = rotate_half_dims(keys.transpose(1, 2), cos, sin, geometry.rotary_dim)  # (B, G, m, d)
+        grouped = rotated_keys[:, geometry.group_of_head]  # (B, H, m, d)
+        with torch.no_grad():
+            self.target = self._log_softmax(self.queries @ grouped.transpose(-1, -2))
+            self.target_p = self.target.exp()
+
+    def _log_softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores * self.setting.scaling
+        if self.setting.softcap:
+            scores = torch.tanh(scores / self.setting.softcap) * self.setting.softcap
+        return torch.log_softmax(scores.masked_fill(~self.allowed, float("-inf")), dim=-1)
+
+    def kl_sum(self, mixing: torch.Tensor, core: torch.Tensor, pass_core: torch.Tensor) -> torch.Tensor:
+        shared_key = rotate_shared_key(self.keys @ mixing.T, self.key_cos, self.key_sin, self.slots)  # (B, m, K)
+        shared_query = query_in_shared_basis(self.queries, core, pass_core, self.slots, self.geometry.rotary_dim)
+        predicted = self._log_softmax(shared_query @ shared_key[:, None].transpose(-1, -2))
+        kl = (self.target_p * (self.target - predicted)).nan_to_num(0.0).sum(-1)
+        return kl[self.valid].sum()
+
+
+def refine_shared_key(samples: list[RotarySample], factors: RotaryFactors, geometry: RotaryGeometry,
+                      setting: AttentionSetting, steps: int = 200, learning_rate: float = 1e-2,
+                      batch_sequences: int = 8, query_rows: int = 32, seed: int = 0) -> RotaryRefinement:
+    """Adam on the mean attention KL(original || shared) per head and query (see the module docstring)."""
+    slots = slot_frequencies(factors.ranks)
+    held = max(len(samples) // 10, 1) if len(samples) >= 10 else 0
+    train, check = (samples[:-held], samples[-held:]) if held else (samples, samples)
+    checks = [_Problem(_batch(check[i:i + 8], None, None), geometry, setting, slots) for i in range(0, len(check), 8)]
+    check_rows = sum(int(p.valid.sum()) for p in checks)
+    parameters = [t.float().clone().requires_grad_(True)
+                  for t in (factors.key_mixing, factors.query_core, factors.pass_core)]
+
+    def held_out() -> float:
+        with torch.no_grad():
+            return float(sum(p.kl_sum(*parameters) for p in checks)) / max(check_rows, 1)
+
+    optimizer = torch.optim.Adam(
+        [{"params": [p], "lr": learning_rate * float(p.detach().abs().mean().clamp_min(1e-8))} for p in parameters]
+    )
+    generator = torch.Generator().manual_seed(seed)
+    best_loss = initial = held_out()
+    best, taken, stale = [p.detach().clone() for p in parameters], 0, 0
+    for taken in range(1, steps + 1):
+        chosen = [train[i] for i in torch.randperm(len(train), generator=generator)[:batch_sequences]]
+        problem = _Problem(_batch(chosen, query_rows, generator), geometry, setting, slots)
+        optimizer.zero_grad()
+        (problem.kl_sum(*parameters) / max(int(problem.valid.sum()), 1)).backward()
+        optimizer.step()
+        if taken % 20 == 0 or taken == steps:
+            loss = held_out()
+            if loss < best_loss:
+                best_loss, best, stale = loss, [p.detach().clone() for p in parameters], 0
+            else:
+                stale += 1
+                if stale >= 5:
+                    break
+    dtype = factors.key_mixing.dtype
+    refined = replace(factors, key_mixing=best[0].to(dtype), query_core=best[1].to(dtype), pass_core=best[2].to(dtype))
+    return RotaryRefinement(refined, initial, best_loss, taken)
