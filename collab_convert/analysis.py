@@ -26,6 +26,8 @@ def analyze(model: str, ranks: list[int] | None = None, progress: Progress = no_
     source = open_model(model)
     progress("opening the model", 1, 1)
     try:
+        if source.family.is_rotary:
+            return _analyze_rotary(source, model, options, progress)
         wanted = options.ranks or candidate_ranks(max((layer.shape for layer in source.layers), key=lambda s: s.key_dim))
         for layer in source.layers:
             for rank in options.ranks or []:
@@ -133,3 +135,70 @@ def _measure_fidelity(source: SourceModel, settings: CompressOptions, metrics, h
         found = estimator.smallest_rank(settings.target_cosine, progress)
         result.target = {"target_cosine": settings.target_cosine, "rank": found.rank,
                          "cosine_mean": found.cosine_mean, "cosine_p01": found.cosine_p01}
+
+
+KEY_CACHE_SHARES = (1.0, 0.75, 0.5, 0.25)
+
+
+def _analyze_rotary(source: SourceModel, model: str, options: AnalyzeOptions, progress: Progress) -> AnalysisResult:
+    """Rotary decoders: the shared rotary key's spectra per frequency (weighted by the queries that read it),
+    and at candidate key budgets (--ranks: numbers per token and layer; else shares of the key cache) what
+    compress would keep per layer, what it costs, and the score energy lost."""
+    from .rotary_stages import allocate_ranks, calibrated_statistics, geometry_of, weight_statistics
+    from .decompose.rotary import fit_shared_key, key_spectrum
+
+    full = max(layer.full_rank for layer in source.layers)
+    for rank in options.ranks or []:
+        for layer in source.layers:
+            layer.check_rank(rank)  # the same refusal as compress
+    widths = options.ranks or sorted({max(2, round(share * full)) for share in KEY_CACHE_SHARES}, reverse=True)
+    if options.calibration is not None:
+        from .stages import calibration_texts
+
+        settings = _fit_settings(options).model_copy(update={"refine_steps": 0})
+        fitted, _ = calibration_texts(settings)
+        statistics, _, _ = calibrated_statistics(source, settings, fitted, progress)
+    else:
+        statistics = {layer.prefix: weight_statistics(source, layer) for layer in source.layers}
+    budgets = {width: allocate_ranks(source, statistics, width) for width in widths}
+    layers = []
+    for index, layer in enumerate(source.layers):
+        progress("analyzing", index, len(source.layers))
+        layers.append(_rotary_layer(source, layer, statistics[layer.prefix], budgets, geometry_of, fit_shared_key,
+                                    key_spectrum))
+    progress("analyzing", len(source.layers), len(source.layers))
+    return AnalysisResult(model=model, family=source.family.name, layers=layers,
+                          predictions=_predictions(layers, widths))
+
+
+def _rotary_layer(source, layer, statistics, budgets, geometry_of, fit_shared_key, key_spectrum) -> LayerAnalysis:
+    from .decompose.costs import original_rotary_cost, shared_rotary_cost
+    from .rotary_stages import _shape
+
+    geometry = geometry_of(layer)
+    spectrum = key_spectrum(statistics, geometry)
+    total = float(spectrum.frequency_losses.sum() + spectrum.pass_losses.sum()) or 1.0
+    shares = (spectrum.frequency_losses / total).tolist()
+    ordered = sorted([v / 2 for row in shares for v in row for _ in (0, 1)]
+                     + (spectrum.pass_losses / total).tolist(), reverse=True)  # per cached number
+    cumulative, running = [], 0.0
+    for value in ordered:
+        running += value
+        cumulative.append(running)
+    candidates = []
+    for width, ranks in budgets.items():
+        factors = fit_shared_key(statistics, geometry, ranks[layer.prefix])
+        cost = shared_rotary_cost(_shape(source, layer), ranks[layer.prefix].width, factors.pass_core.numel(),
+                                  has_bias=layer.has_query_bias).as_dict()
+        candidates.append({**cost, "relative_error": round(factors.lost_energy, 6), "logit_error": None,
+                           "frequency_ranks": list(ranks[layer.prefix].frequency_ranks)})
+    return LayerAnalysis(
+        name=layer.prefix, input_dim=layer.shape.input_dim, num_heads=layer.shape.num_heads,
+        head_dim=layer.shape.head_dim,
+        spectra={"query_unfolding": [], "key_unfolding": rounded(sorted((v ** 0.5 for v in ordered), reverse=True))},
+        energy_ranks={"shared_key": {f"{share:.2f}": next((i + 1 for i, c in enumerate(cumulative)
+                                                           if c >= share - 1e-9), len(cumulative))
+                                     for share in ENERGY_SHARES}},
+        original=original_rotary_cost(_shape(source, layer), has_bias=layer.has_query_bias).as_dict(),
+        candidates=candidates, frequency_spectra=[rounded(row) for row in shares], kv_heads=layer.kv_heads,
+    )

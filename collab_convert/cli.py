@@ -200,6 +200,11 @@ def _print_analysis(result) -> None:
     from .results import layer_labels
 
     labels = layer_labels([layer.name for layer in result.layers])
+    if result.layers and result.layers[0].frequency_spectra is not None:
+        stdout.print(_rotary_spread(result, labels))
+        stdout.print(_candidate_table(result))
+        stdout.print(_rotary_advice(result), highlight=False)
+        return
     spread = _table(f"{result.model} ({result.family}): shared dimensions holding 90/95/99% of the energy",
                     "layer", "heads x d_k", "query side", "key side")
     for layer in result.layers:
@@ -209,6 +214,25 @@ def _print_analysis(result) -> None:
     stdout.print(spread)
     stdout.print(_candidate_table(result))
     stdout.print(_analysis_advice(result), highlight=False)
+
+
+def _rotary_spread(result, labels) -> Table:
+    table = _table(f"{result.model} ({result.family}, rotary): shared key numbers per token holding 90/95/99% of "
+                   "the score energy", "layer", "heads x d (key heads)", "shared key", "strongest frequencies")
+    for layer in result.layers:
+        strength = [sum(row) for row in layer.frequency_spectra]
+        top = sorted(range(len(strength)), key=lambda j: -strength[j])[:3]
+        table.add_row(labels[layer.name], f"{layer.num_heads} x {layer.head_dim} ({layer.kv_heads})",
+                      "/".join(str(v) for v in layer.energy_ranks["shared_key"].values()),
+                      ", ".join(f"#{j} {100 * strength[j]:.0f}%" for j in top))
+    return table
+
+
+def _rotary_advice(result) -> str:
+    return ("Rank = the shared key's numbers per token and layer, on average (the key cache); the budget is spread "
+            "over layers and RoPE frequencies as compress spreads it. error: share of score energy lost (keys "
+            "weighted by the queries that read them), mean over layers.\n"
+            f"Next: collab-convert compress {result.model} --key-cache 0.5 --calibration FILE -o OUT")
 
 
 def _candidate_table(result) -> Table:

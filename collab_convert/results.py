@@ -51,6 +51,10 @@ class LayerAnalysis(_Data):
     # per candidate rank: its costs, and what a fit at that rank gives (relative error of the head products;
     # with calibration, the share of logit energy lost on the calibration inputs)
     candidates: list[dict[str, Any]]
+    # rotary layers: per RoPE frequency (fastest first), the score energy each shared key direction carries,
+    # as shares of the layer's total
+    frequency_spectra: list[list[float]] | None = None
+    kv_heads: int | None = None
 
 
 @dataclass

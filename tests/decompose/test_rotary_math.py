@@ -1,0 +1,113 @@
+"""The shared rotary key's math, on random projections: exact under RoPE at full budget for grouped, multi-query
+and partial-rotary heads with biases; a budget is spent where the energy is and never exceeded; refinement
+never makes the held-out attention worse."""
+
+import pytest
+import torch
+
+from collab_convert.decompose.rotary import (
+    KeyRanks,
+    KeySpectrum,
+    RotaryGeometry,
+    allocate,
+    fit_shared_key,
+    key_spectrum,
+    shared_scores,
+    weight_statistics,
+)
+from collab_convert.decompose.rotary_ops import rotate_half_dims
+from collab_convert.decompose.rotary_refinement import AttentionSetting, RotarySample, refine_shared_key
+
+
+def rope_tables(length: int, rotary_dim: int, base: float = 10000.0):
+    inverse = 1 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * inverse[None]
+    table = torch.cat([angles, angles], -1)
+    return table.cos(), table.sin()
+
+
+def random_layer(geometry: RotaryGeometry, inputs: int = 24, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    h, kv, d = geometry.num_heads, geometry.kv_heads, geometry.head_dim
+    return (torch.randn(h * d, inputs, generator=g, dtype=torch.float64),
+            torch.randn(h * d, generator=g, dtype=torch.float64),
+            torch.randn(kv * d, inputs, generator=g, dtype=torch.float64),
+            torch.randn(kv * d, generator=g, dtype=torch.float64))
+
+
+def original_scores(x, layer, geometry, cos, sin):
+    query_weight, query_bias, key_weight, key_bias = layer
+    n = x.shape[0]
+    queries = (x @ query_weight.T + query_bias).view(n, geometry.num_heads, -1).transpose(0, 1)
+    keys = (x @ key_weight.T + key_bias).view(n, geometry.kv_heads, -1).transpose(0, 1)
+    rotated_q = rotate_half_dims(queries, cos, sin, geometry.rotary_dim)
+    rotated_k = rotate_half_dims(keys, cos, sin, geometry.rotary_dim)[geometry.group_of_head]
+    return rotated_q @ rotated_k.transpose(1, 2)
+
+
+@pytest.mark.parametrize("geometry", [
+    RotaryGeometry(6, 2, 16, 16),  # grouped queries
+    RotaryGeometry(4, 1, 8, 8),  # multi-query
+    RotaryGeometry(4, 4, 16, 4),  # partial rotary: most dimensions pass through
+], ids=["grouped", "multi-query", "partial-rotary"])
+def test_full_budget_reproduces_rotary_scores_at_every_offset(geometry):
+    layer = random_layer(geometry)
+    x = torch.randn(11, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    cos, sin = rope_tables(11, geometry.rotary_dim)
+    factors = fit_shared_key(weight_statistics(*layer, geometry), geometry, KeyRanks.full(geometry))
+    n = x.shape[0]
+    queries = (x @ layer[0].T + layer[1]).view(n, geometry.num_heads, -1)
+    keys = (x @ layer[2].T + layer[3]).view(n, geometry.kv_heads, -1)
+    expected = original_scores(x, layer, geometry, cos, sin)
+    assert torch.allclose(shared_scores(queries, keys, factors, geometry, cos, sin), expected, atol=1e-9 * float(expected.abs().max()))
+    assert factors.ranks.width == geometry.full_width and factors.lost_energy == pytest.approx(0, abs=1e-12)
+
+
+def test_a_smaller_budget_loses_energy_in_order():
+    geometry = RotaryGeometry(6, 3, 16, 16)
+    statistics = weight_statistics(*random_layer(geometry), geometry)
+    losses = [fit_shared_key(statistics, geometry, KeyRanks((r,) * 8, 0)).lost_energy for r in (3, 2, 1)]
+    assert losses[0] == pytest.approx(0, abs=1e-12) and 0 < losses[1] < losses[2] < 1
+
+
+def spectrum(frequency_losses, pass_losses=()):
+    return KeySpectrum(torch.tensor(frequency_losses, dtype=torch.float32), torch.tensor(pass_losses, dtype=torch.float32))
+
+
+def test_allocation_spends_the_budget_where_the_energy_is_and_never_more():
+    strong = spectrum([[9.0, 5.0], [4.0, 0.5]])
+    weak = spectrum([[1.0, 0.1], [0.2, 0.1]], [3.0, 0.01])
+    ranks = allocate([strong, weak], budget=9)
+    assert sum(r.width for r in ranks) <= 9
+    assert ranks[0] == KeyRanks((2, 1), 0)  # 9, 5, 4 (per number 4.5, 2.5, 2)
+    assert ranks[1].frequency_ranks[0] >= 1 and ranks[1].pass_rank == 1  # its strongest, and 3.0 per number
+    assert allocate([strong, weak], budget=100) == [KeyRanks((2, 2), 0), KeyRanks((2, 2), 2)]
+
+
+def test_every_layer_keeps_one_complex_dimension_however_small_the_budget():
+    ranks = allocate([spectrum([[9.0, 5.0]]), spectrum([[1e-9, 0.0]])], budget=4)
+    assert [r.frequency_ranks for r in ranks] == [(1,), (1,)]
+
+
+def test_spectrum_losses_are_sorted_and_sum_to_the_energy():
+    geometry = RotaryGeometry(4, 2, 8, 8)
+    found = key_spectrum(weight_statistics(*random_layer(geometry), geometry), geometry)
+    assert found.frequency_losses.shape == (4, 2)
+    assert (found.frequency_losses[:, :-1] >= found.frequency_losses[:, 1:]).all()
+
+
+def test_refinement_never_worsens_the_held_out_attention():
+    geometry = RotaryGeometry(4, 2, 8, 8)
+    layer = random_layer(geometry, seed=5)
+    g = torch.Generator().manual_seed(7)
+    samples = []
+    for _ in range(12):
+        x = torch.randn(10, 24, generator=g, dtype=torch.float64) * 0.3
+        samples.append(RotarySample((x @ layer[0].T + layer[1]).view(10, 4, 8).float(),
+                                    (x @ layer[2].T + layer[3]).view(10, 2, 8).float()))
+    cos, sin = rope_tables(10, 8)
+    factors = fit_shared_key(weight_statistics(*layer, geometry), geometry, KeyRanks((1, 1, 1, 1), 0))
+    refined = refine_shared_key(samples, factors, geometry, AttentionSetting(8**-0.5, cos.float(), sin.float()),
+                                steps=60)
+    assert refined.kl_after <= refined.kl_before
+    assert refined.factors.key_mixing.shape == factors.key_mixing.shape

@@ -1,0 +1,80 @@
+"""Rotary decoders through the CLI, as a user meets them: analyze shows the per-frequency picture and the key
+cache at candidate budgets; compress takes --key-cache or --rank; wrong combinations and broken GGUF files end
+in one line, with nothing written."""
+
+import json
+
+import pytest
+
+from collab_convert.cli import main
+from fixtures.models import ROTARY_CASES, build_rotary
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("rotary") / "llama"
+    build_rotary(next(c for c in ROTARY_CASES if c.name == "llama"), folder)
+    return folder
+
+
+def run(capsys, *arguments):
+    code = main([str(a) for a in arguments])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_refused(code, err, fragment):
+    assert code != 0 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert fragment in err and "Traceback" not in err
+
+
+def test_analyze_shows_per_frequency_spectra_and_key_cache_budgets(tiny_llama, capsys):
+    code, out, _ = run(capsys, "analyze", tiny_llama, "--json")
+    assert code == 0
+    result = json.loads(out)
+    layer = result["layers"][0]
+    assert len(layer["frequency_spectra"]) == 8 and len(layer["frequency_spectra"][0]) == 2  # frequencies x key heads
+    assert sum(sum(row) for row in layer["frequency_spectra"]) == pytest.approx(1, abs=1e-3)
+    caches = [p["key_cache_per_token"] for p in result["predictions"]]
+    assert caches == sorted(caches, reverse=True) and caches[0] == 2 * 32  # the full budget: 2 layers x 2 heads x 16
+    errors = [p["mean_relative_error"] for p in result["predictions"]]
+    assert errors[0] == pytest.approx(0, abs=1e-6) and errors == sorted(errors)
+
+
+def test_analyze_table_names_the_next_step(tiny_llama, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run(capsys, "analyze", tiny_llama, "-q")
+    assert code == 0 and "strongest frequencies" in out and "--key-cache" in out
+
+
+def test_compress_with_key_cache_writes_a_smaller_cache(tiny_llama, tmp_path, capsys):
+    code, out, _ = run(capsys, "compress", tiny_llama, "--key-cache", "0.5", "-o", tmp_path / "out", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert sum(layer["rank"] for layer in result["layers"]) <= 32
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("arguments, fragment", [
+    ((), "--key-cache"),  # neither --rank nor --key-cache
+    (("--rank", "16", "--key-cache", "0.5"), "not both"),
+    (("--rank", "33"), "exceeds the full rank"),
+    (("--key-cache", "0"), "--key-cache"),
+])
+def test_bad_budgets_are_refused_in_one_line(tiny_llama, tmp_path, capsys, arguments, fragment):
+    code, _, err = run(capsys, "compress", tiny_llama, *arguments, "-o", tmp_path / "out")
+    assert_refused(code, err, fragment)
+    assert not (tmp_path / "out").exists()
+
+
+def test_key_cache_is_refused_for_models_without_rotary_keys(tiny_bert, tmp_path, capsys):
+    code, _, err = run(capsys, "compress", tiny_bert, "--key-cache", "0.5", "-o", tmp_path / "out")
+    assert_refused(code, err, "rotary decoders")
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path, capsys):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"not a gguf file at all")
+    code, _, err = run(capsys, "compress", fake, "--key-cache", "0.5", "-o", tmp_path / "out")
+    assert_refused(code, err, "not a GGUF file")
+    assert not (tmp_path / "out").exists()
