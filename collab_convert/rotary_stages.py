@@ -97,13 +97,40 @@ def weight_statistics(source: SourceModel, layer: AttentionLayer) -> KeyStatisti
     to the projected tokens and each head's vectors are brought to unit mean square, as the norm does."""
     weights = source.family.layout.read(source.reader, layer)
     geometry = geometry_of(layer)
-    queries = _tokens(weights.query_weight, weights.query_bias, geometry.num_heads, geometry.head_dim)
-    keys = _tokens(weights.key_weight, weights.key_bias, geometry.kv_heads, geometry.head_dim)
+    scale, shift = _input_norm(source, layer)
+    queries = _tokens(*_through_norm(weights.query_weight, weights.query_bias, scale, shift), geometry.num_heads,
+                      geometry.head_dim)
+    keys = _tokens(*_through_norm(weights.key_weight, weights.key_bias, scale, shift), geometry.kv_heads,
+                   geometry.head_dim)
     layout = source.family.layout
     if layout.query_norm and key_norm(source):
         queries = _normalised(queries, _norm_scale(source, layer, layout.query_norm), layout.norm_over_heads)
         keys = _normalised(keys, _norm_scale(source, layer, layout.key_norm), layout.norm_over_heads)
     return statistics_of(queries, keys, geometry)
+
+
+def _input_norm(source: SourceModel, layer: AttentionLayer):
+    """Scale and shift of the norm in front of the attention: a normalised hidden state has unit-scale channels,
+    so the attention's inputs are about scale * unit + shift (decoders' channel scales differ by orders of
+    magnitude, which an isotropic guess would miss)."""
+    names = source.family.layout.input_norm_names(layer.prefix)
+    if names is None or names[0] not in source.reader:
+        return None, None
+    scale = source.reader.get(names[0]).double()
+    if str(source.config.get("model_type", "")).startswith("gemma"):
+        scale = scale + 1  # Gemma's RMSNorm multiplies by (1 + weight)
+    shift = source.reader.get(names[1]).double() if names[1] in source.reader else None
+    return scale, shift
+
+
+def _through_norm(weight: torch.Tensor, bias: torch.Tensor | None, scale, shift):
+    if scale is None:
+        return weight, bias
+    bias = bias.double() if bias is not None else None
+    if shift is not None:
+        moved = weight.double() @ shift
+        bias = moved if bias is None else bias + moved
+    return weight.double() * scale[None, :], bias
 
 
 def _tokens(weight: torch.Tensor, bias: torch.Tensor | None, heads: int, head_dim: int) -> torch.Tensor:

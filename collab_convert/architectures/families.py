@@ -195,7 +195,7 @@ ROTARY_FAMILIES: tuple[Family, ...] = (
         name="olmo2",
         model_types=("olmo2",),
         sites=_DECODER_LAYERS,
-        layout=RotaryProjections(query_norm="q_norm", key_norm="k_norm", norm_over_heads=True),
+        layout=RotaryProjections(query_norm="q_norm", key_norm="k_norm", norm_over_heads=True, input_norm=None),
     ),
     Family(
         name="phi3",

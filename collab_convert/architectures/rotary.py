@@ -43,6 +43,16 @@ class RotaryProjections:
     query_norm: str | None = None  # module attributes of QK-norm, where the family has it
     key_norm: str | None = None
     norm_over_heads: bool = False  # the norm spans the whole projection, not one head (OLMo-2)
+    # The norm in front of the attention, a sibling of the attention module: its scale tells a weight-only fit
+    # how large each input channel is (None: the family normalises after attention, as OLMo-2 does).
+    input_norm: str | None = "input_layernorm"
+
+    def input_norm_names(self, prefix: str) -> tuple[str, str] | None:
+        """(weight, bias) tensor names of the input norm of the attention module at `prefix`."""
+        if self.input_norm is None or "." not in prefix:
+            return None
+        parent = prefix.rsplit(".", 1)[0]
+        return f"{parent}.{self.input_norm}.weight", f"{parent}.{self.input_norm}.bias"
 
     @property
     def marker(self) -> str:
