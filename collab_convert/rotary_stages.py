@@ -229,7 +229,9 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, stat
         refined = refine_shared_key(calibration.samples, factors, geometry_of(layer), calibration.setting,
                                     steps=options.refine_steps, seed=options.seed)
         factors = refined.factors
-        refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps}
+        refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
+                      "objective": refined.objective, "loss_before": refined.loss_before,
+                      "loss_after": refined.loss_after}
     dtype, p = weights.query_weight.dtype, layer.prefix
     tensors: dict[str, torch.Tensor] = {}
     for suffix in ("weight", "bias"):

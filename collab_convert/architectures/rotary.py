@@ -169,6 +169,17 @@ class RotaryProjections:
         return (self._normed(module, query, self.query_norm, heads.num_heads),
                 self._normed(module, key, self.key_norm, heads.kv_heads))
 
+    def original_values(self, module: nn.Module, hidden: torch.Tensor, heads: HeadCounts) -> torch.Tensor:
+        """An original module's values (b, n, G, d)."""
+        if not self.fused:
+            values = getattr(module, self.value)(hidden)
+            return values.view(*values.shape[:-1], heads.kv_heads, -1)
+        fused = getattr(module, self.fused)(hidden)
+        if self.interleaved:
+            return fused.view(*fused.shape[:-1], heads.num_heads, 3, -1)[..., 2, :]
+        d = fused.shape[-1] // (heads.num_heads + 2 * heads.kv_heads)
+        return fused[..., (heads.num_heads + heads.kv_heads) * d:].reshape(*fused.shape[:-1], heads.kv_heads, d)
+
     def queries(self, module: nn.Module, hidden: torch.Tensor, num_heads: int) -> torch.Tensor:
         projection = getattr(module, FUSED_QUERY if self.fused else self.query)
         return self._normed(module, projection(hidden), self.query_norm, num_heads)

@@ -24,6 +24,7 @@ class RotarySample:
 
     queries: torch.Tensor
     keys: torch.Tensor
+    values: torch.Tensor | None = None  # (n, G, d): with them, refinement matches the attention's output
 
 
 @dataclass
@@ -34,24 +35,29 @@ class AttentionSetting:
     cos: torch.Tensor  # (n_max, rotary_dim)
     sin: torch.Tensor
     softcap: float | None = None
+    output_weight: torch.Tensor | None = None  # (D, N_h d): the output projection, which weighs head errors
 
 
 @dataclass
 class RotaryRefinement:
     factors: RotaryFactors
-    kl_before: float
+    kl_before: float  # mean attention KL on the held-out sequences, whatever the objective
     kl_after: float
     steps: int
+    objective: str = "attention KL"
+    loss_before: float = 0.0  # the objective on the held-out sequences (relative output error, or KL)
+    loss_after: float = 0.0
 
 
 def _batch(samples: list[RotarySample], rows: int | None, generator) -> tuple:
-    """Padded (B, n, H, d) queries at sampled rows, (B, m, G, d) keys, row positions and valid masks."""
+    """Padded (B, rows, H, d) queries at sampled rows, (B, m, G, d) keys and values, row positions, valid masks."""
     length = max(s.keys.shape[0] for s in samples)
     picks = [torch.arange(s.queries.shape[0]) if rows is None
              else torch.randperm(s.queries.shape[0], generator=generator)[:rows].sort().values for s in samples]
     width = max(p.shape[0] for p in picks)
     queries = torch.zeros(len(samples), width, *samples[0].queries.shape[1:])
     keys = torch.zeros(len(samples), length, *samples[0].keys.shape[1:])
+    values = torch.zeros(len(samples), length, *samples[0].keys.shape[1:]) if samples[0].values is not None else None
     positions = torch.zeros(len(samples), width, dtype=torch.long)
     row_valid = torch.zeros(len(samples), width, dtype=torch.bool)
     key_valid = torch.zeros(len(samples), length, dtype=torch.bool)
@@ -61,14 +67,19 @@ def _batch(samples: list[RotarySample], rows: int | None, generator) -> tuple:
         row_valid[i, : pick.shape[0]] = True
         keys[i, : sample.keys.shape[0]] = sample.keys.float()
         key_valid[i, : sample.keys.shape[0]] = True
-    return queries, keys, positions, row_valid, key_valid
+        if values is not None:
+            values[i, : sample.values.shape[0]] = sample.values.float()
+    return queries, keys, values, positions, row_valid, key_valid
 
 
 class _Problem:
-    """The original attention of a batch (fixed) and the shared form's, as a function of the parameters."""
+    """The original attention of a batch (fixed) and the shared form's, as a function of the parameters.
+
+    With values and the output projection, the loss is the error of the layer's attention output (through the
+    output projection, so heads count as much as they reach the residual stream); else the attention KL."""
 
     def __init__(self, batch, geometry: RotaryGeometry, setting: AttentionSetting, slots: torch.Tensor):
-        queries, keys, positions, row_valid, key_valid = batch
+        queries, keys, values, positions, row_valid, key_valid = batch
         self.geometry, self.setting, self.slots = geometry, setting, slots
         length = keys.shape[1]
         cos, sin = setting.cos[:length], setting.sin[:length]
@@ -78,12 +89,19 @@ class _Problem:
         self.keys = keys.flatten(2)  # (B, m, G d)
         allowed = key_valid[:, None, :] & (torch.arange(length)[None, None, :] <= positions[:, :, None])
         self.allowed = allowed[:, None]  # (B, 1, rows, m)
+        self.rows = row_valid
         self.valid = row_valid[:, None, :].expand(-1, geometry.num_heads, -1)
         rotated_keys = rotate_half_dims(keys.transpose(1, 2), cos, sin, geometry.rotary_dim)  # (B, G, m, d)
         grouped = rotated_keys[:, geometry.group_of_head]  # (B, H, m, d)
+        self.values = None
+        if values is not None and setting.output_weight is not None:
+            self.values = values.transpose(1, 2)[:, geometry.group_of_head]  # (B, H, m, d)
         with torch.no_grad():
             self.target = self._log_softmax(self.queries @ grouped.transpose(-1, -2))
             self.target_p = self.target.exp()
+            if self.values is not None:
+                self.target_output = self._output(self.target_p)
+                self.output_energy = float((self.target_output**2).sum(-1)[self.rows].sum())
 
     def _log_softmax(self, scores: torch.Tensor) -> torch.Tensor:
         scores = scores * self.setting.scaling
@@ -91,12 +109,26 @@ class _Problem:
             scores = torch.tanh(scores / self.setting.softcap) * self.setting.softcap
         return torch.log_softmax(scores.masked_fill(~self.allowed, float("-inf")), dim=-1)
 
-    def kl_sum(self, mixing: torch.Tensor, core: torch.Tensor, pass_core: torch.Tensor) -> torch.Tensor:
+    def _output(self, probabilities: torch.Tensor) -> torch.Tensor:
+        heads = (probabilities.nan_to_num(0.0) @ self.values).transpose(1, 2).flatten(2)  # (B, rows, H d)
+        return heads @ self.setting.output_weight.T
+
+    def predicted(self, mixing: torch.Tensor, core: torch.Tensor, pass_core: torch.Tensor) -> torch.Tensor:
         shared_key = rotate_shared_key(self.keys @ mixing.T, self.key_cos, self.key_sin, self.slots)  # (B, m, K)
         shared_query = query_in_shared_basis(self.queries, core, pass_core, self.slots, self.geometry.rotary_dim)
-        predicted = self._log_softmax(shared_query @ shared_key[:, None].transpose(-1, -2))
+        return self._log_softmax(shared_query @ shared_key[:, None].transpose(-1, -2))
+
+    def kl_sum(self, predicted: torch.Tensor) -> torch.Tensor:
         kl = (self.target_p * (self.target - predicted)).nan_to_num(0.0).sum(-1)
         return kl[self.valid].sum()
+
+    def loss(self, *parameters) -> tuple[torch.Tensor, float]:
+        """(the objective's sum over this batch, its normaliser)."""
+        predicted = self.predicted(*parameters)
+        if self.values is None:
+            return self.kl_sum(predicted), float(self.valid.sum())
+        error = ((self._output(predicted.exp()) - self.target_output) ** 2).sum(-1)
+        return error[self.rows].sum(), self.output_energy
 
 
 def refine_shared_key(samples: list[RotarySample], factors: RotaryFactors, geometry: RotaryGeometry,
@@ -113,19 +145,26 @@ def refine_shared_key(samples: list[RotarySample], factors: RotaryFactors, geome
 
     def held_out() -> float:
         with torch.no_grad():
-            return float(sum(p.kl_sum(*parameters) for p in checks)) / max(check_rows, 1)
+            losses = [p.loss(*parameters) for p in checks]
+            return float(sum(loss for loss, _ in losses)) / max(sum(norm for _, norm in losses), 1e-30)
+
+    def held_out_kl() -> float:
+        with torch.no_grad():
+            return float(sum(p.kl_sum(p.predicted(*parameters)) for p in checks)) / max(check_rows, 1)
 
     optimizer = torch.optim.Adam(
         [{"params": [p], "lr": learning_rate * float(p.detach().abs().mean().clamp_min(1e-8))} for p in parameters]
     )
     generator = torch.Generator().manual_seed(seed)
     best_loss = initial = held_out()
+    kl_before = held_out_kl()
     best, taken, stale = [p.detach().clone() for p in parameters], 0, 0
     for taken in range(1, steps + 1):
         chosen = [train[i] for i in torch.randperm(len(train), generator=generator)[:batch_sequences]]
         problem = _Problem(_batch(chosen, query_rows, generator), geometry, setting, slots)
         optimizer.zero_grad()
-        (problem.kl_sum(*parameters) / max(int(problem.valid.sum()), 1)).backward()
+        loss, norm = problem.loss(*parameters)
+        (loss / max(norm, 1e-30)).backward()
         optimizer.step()
         if taken % 20 == 0 or taken == steps:
             loss = held_out()
@@ -135,6 +174,10 @@ def refine_shared_key(samples: list[RotarySample], factors: RotaryFactors, geome
                 stale += 1
                 if stale >= 5:
                     break
+    for parameter, kept in zip(parameters, best, strict=True):
+        parameter.data.copy_(kept)
+    kl_after = held_out_kl()
     dtype = factors.key_mixing.dtype
     refined = replace(factors, key_mixing=best[0].to(dtype), query_core=best[1].to(dtype), pass_core=best[2].to(dtype))
-    return RotaryRefinement(refined, initial, best_loss, taken)
+    objective = "attention output" if checks[0].values is not None else "attention KL"
+    return RotaryRefinement(refined, kl_before, kl_after, taken, objective, initial, best_loss)

@@ -179,16 +179,19 @@ def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[st
         def hook(module, args, kwargs):
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             queries, keys = family.layout.original_queries_keys(module, hidden, heads)
-            for query, key in zip(queries, keys, strict=True):  # one sequence per text: no padding
+            values = family.layout.original_values(module, hidden, heads) if keep_samples else queries
+            for query, key, value in zip(queries, keys, values, strict=True):  # one sequence per text: no padding
                 more = statistics_of(query.float(), key.float(), geometry)
                 record.statistics = more if record.statistics is None else record.statistics + more
                 tokens[prefix] += query.shape[0]
                 if len(record.samples) < keep_samples:
-                    record.samples.append(RotarySample(query.half().clone(), key.half().clone()))
+                    record.samples.append(RotarySample(query.half().clone(), key.half().clone(), value.half().clone()))
             cos, sin = kwargs["position_embeddings"]
             if record.setting is None or record.setting.cos.shape[0] < cos.shape[1]:
+                output = family.layout.output_projection(module).weight
                 record.setting = AttentionSetting(float(module.scaling), cos[0].float().clone(), sin[0].float().clone(),
-                                                  getattr(module, "attn_logit_softcapping", None))
+                                                  getattr(module, "attn_logit_softcapping", None),
+                                                  output.detach().float().clone())
 
         return hook
 
