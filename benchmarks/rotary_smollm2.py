@@ -68,9 +68,13 @@ def plain_pca(folder: Path, budget: float, out: Path) -> None:
         found = rotary_stages.weight_statistics(source, layer)
         found.query_energy = torch.ones_like(found.query_energy)
         statistics[layer.prefix] = found
-    g = source.layers[0].kv_heads
-    per_frequency = max(1, round(budget * g))
-    ranks = {layer.prefix: KeyRanks((per_frequency,) * (layer.rotary_dim // 2), 0) for layer in source.layers}
+    ranks = {}
+    for layer in source.layers:
+        # The same numbers per token as ours, spread evenly over the frequencies (W complex dimensions).
+        frequencies = layer.rotary_dim // 2
+        slots = round(budget * layer.kv_heads * frequencies)
+        ranks[layer.prefix] = KeyRanks(tuple((j + 1) * slots // frequencies - j * slots // frequencies
+                                             for j in range(frequencies)), 0)
     with StagedOutput(out) as staged:
         reports, _ = rotary_stages.convert_rotary_weights(source, options, staged.folder, lambda *a: None, ranks,
                                                           statistics)

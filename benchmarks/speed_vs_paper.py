@@ -1,7 +1,8 @@
 """Our `compress` against the paper's re-parametrization on the same layers, timed side by side.
 
 The paper (Cordonnier et al.) runs TensorLy `parafac(T, R, init="random", tol=1e-6)` on each layer's dense
-N_h x D_in x D_in tensor. Both runs below go through the same `collab_convert.compress` call, so reading,
+N_h x D_in x D_in tensor, in float32 as their code does. Both runs below go through the same
+`collab_convert.compress` call, so reading,
 writing and reports cost the same on both sides; imports are warmed up first and not timed.
 
     python benchmarks/speed_vs_paper.py --rank 192

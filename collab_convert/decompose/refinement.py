@@ -163,27 +163,48 @@ def refine_attention(
         with torch.no_grad():
             return float(sum(_collaborative_kl(parameters, b, scaling, check_rows) for b in check_batches))
 
-    # Adam steps are scale-free per parameter; a step of `learning_rate` times each tensor's typical entry.
-    optimizer = torch.optim.Adam(
-        [{"params": [p], "lr": learning_rate * float(p.detach().abs().mean().clamp_min(1e-8))} for p in parameters]
-    )
     generator = torch.Generator().manual_seed(seed)
-    best_loss = initial = held_out_loss()
-    best, taken, stale, check_every = [p.detach().clone() for p in parameters], 0, 0, 20
-    for taken in range(1, steps + 1):
+
+    def minibatch_loss() -> torch.Tensor:
         chosen = [train[i] for i in torch.randperm(len(train), generator=generator)[:batch_sequences]]
         batch = _sampled_batch(chosen, query_rows, scaling, causal, generator)
-        optimizer.zero_grad()
-        _collaborative_kl(parameters, batch, scaling, int(batch.valid.sum())).backward()
-        optimizer.step()
-        if taken % check_every == 0 or taken == steps:
-            loss = held_out_loss()
-            if loss < best_loss:
-                best_loss, best, stale = loss, [p.detach().clone() for p in parameters], 0
-            else:
-                stale += 1
-                if stale >= 5:
-                    break
+        return _collaborative_kl(parameters, batch, scaling, int(batch.valid.sum()))
+
+    best, initial, best_loss, taken = adam_with_held_out(parameters, minibatch_loss, held_out_loss, steps, learning_rate)
     dtype = factors.shared_query.dtype
     refined = CollaborativeFactors(*(b.to(dtype) for b in best[:3]))
     return RefineResult(refined, best[3].to(content_bias.dtype), initial, best_loss, taken)
+
+
+@dataclass
+class _Progress:
+    best: list
+    best_loss: float
+    stale: int = 0
+
+
+def adam_with_held_out(parameters: list[torch.Tensor], minibatch_loss, held_out_loss, steps: int,
+                       learning_rate: float, check_every: int = 20, patience: int = 5):
+    """Adam on `minibatch_loss()`, checked on `held_out_loss()` every `check_every` steps: stops after
+    `patience` checks without a gain and returns (the best parameters seen, the start's held-out loss, the best,
+    steps taken). The start counts as a candidate, so the result is never worse on the held-out data.
+
+    Adam steps are scale-free per parameter: each tensor moves by `learning_rate` times its typical entry."""
+    optimizer = torch.optim.Adam(
+        [{"params": [p], "lr": learning_rate * float(p.detach().abs().mean().clamp_min(1e-8))} for p in parameters]
+    )
+    initial = held_out_loss()
+    state, taken = _Progress([p.detach().clone() for p in parameters], initial), 0
+    for taken in range(1, steps + 1):
+        optimizer.zero_grad()
+        minibatch_loss().backward()
+        optimizer.step()
+        if taken % check_every == 0 or taken == steps:
+            loss = held_out_loss()
+            if loss < state.best_loss:
+                state = _Progress([p.detach().clone() for p in parameters], loss)
+            else:
+                state.stale += 1
+                if state.stale >= patience:
+                    break
+    return state.best, initial, state.best_loss, taken

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .rotary import RotaryFactors, RotaryGeometry, slot_frequencies
+from .refinement import adam_with_held_out
 from .rotary_ops import query_in_shared_basis, rotate_half_dims, rotate_shared_key
 
 
@@ -152,28 +153,16 @@ def refine_shared_key(samples: list[RotarySample], factors: RotaryFactors, geome
         with torch.no_grad():
             return float(sum(p.kl_sum(p.predicted(*parameters)) for p in checks)) / max(check_rows, 1)
 
-    optimizer = torch.optim.Adam(
-        [{"params": [p], "lr": learning_rate * float(p.detach().abs().mean().clamp_min(1e-8))} for p in parameters]
-    )
     generator = torch.Generator().manual_seed(seed)
-    best_loss = initial = held_out()
     kl_before = held_out_kl()
-    best, taken, stale = [p.detach().clone() for p in parameters], 0, 0
-    for taken in range(1, steps + 1):
+
+    def minibatch_loss() -> torch.Tensor:
         chosen = [train[i] for i in torch.randperm(len(train), generator=generator)[:batch_sequences]]
         problem = _Problem(_batch(chosen, query_rows, generator), geometry, setting, slots)
-        optimizer.zero_grad()
         loss, norm = problem.loss(*parameters)
-        (loss / max(norm, 1e-30)).backward()
-        optimizer.step()
-        if taken % 20 == 0 or taken == steps:
-            loss = held_out()
-            if loss < best_loss:
-                best_loss, best, stale = loss, [p.detach().clone() for p in parameters], 0
-            else:
-                stale += 1
-                if stale >= 5:
-                    break
+        return loss / max(norm, 1e-30)
+
+    best, initial, best_loss, taken = adam_with_held_out(parameters, minibatch_loss, held_out, steps, learning_rate)
     for parameter, kept in zip(parameters, best, strict=True):
         parameter.data.copy_(kept)
     kl_after = held_out_kl()

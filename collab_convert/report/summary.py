@@ -24,9 +24,13 @@ def _rotary_sentence(result: "CompressResult") -> str:
     widths = [layer.rank for layer in result.layers]
     full = result.layers[0].cost_before["key_cache_per_token"]
     spread = f"{min(widths)} to {max(widths)} per layer, " if min(widths) != max(widths) else ""
-    return (f"Every attention layer ({len(result.layers)}) keeps its per-head queries and shares one rotary key "
-            f"across its key heads, frequency by frequency (RoPE stays exact): {spread}"
-            f"{sum(widths) / len(widths):.1f} numbers per token on average, of {full} in the original key cache.")
+    sentence = (f"Every attention layer ({len(result.layers)}) keeps its per-head queries and shares one rotary key "
+                f"across its key heads, frequency by frequency (RoPE stays exact): {spread}"
+                f"{sum(widths) / len(widths):.1f} numbers per token on average, of {full} in the original key cache.")
+    if _sum(result, "cost_after", "parameters") >= _sum(result, "cost_before", "parameters"):
+        sentence += (" The key projections stay (a QK-norm sits between them and RoPE, or the budget is full), so "
+                     "the parameters do not shrink: the gain is the key cache.")
+    return sentence
 
 
 def rank_sentence(result: "CompressResult") -> str:
