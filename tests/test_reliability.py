@@ -47,7 +47,7 @@ def test_garbage_weights(tiny_bert, tmp_path, capsys):
     (broken / "model.safetensors").write_bytes(b"not a tensor file at all")
     code, err = run_cli(capsys, "analyze", broken)
     assert code == 3
-    assert_one_line(err, "not a readable safetensors file")
+    assert_one_line(err, "not a valid safetensors file")
 
 
 def test_nan_weights(tiny_bert, tmp_path, capsys):

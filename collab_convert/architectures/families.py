@@ -60,11 +60,14 @@ class Family:
 
     def heads(self, config: dict[str, Any], site: Site) -> HeadCounts:
         num_heads = self.num_heads(config, site)
-        return HeadCounts(num_heads, self.kv_heads(config) if self.kv_heads else num_heads)
+        kv_heads = self.kv_heads(config) if self.kv_heads else num_heads
+        if num_heads % kv_heads:
+            raise UnsupportedModelError(f"{num_heads} query heads do not split into groups of {kv_heads} key heads")
+        return HeadCounts(num_heads, kv_heads)
 
     def num_heads(self, config: dict[str, Any], site: Site) -> int:
         value = config.get(site.num_heads_key)
-        if not isinstance(value, int) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise UnsupportedModelError(f"config.json has no valid '{site.num_heads_key}'")
         return value
 
@@ -172,7 +175,10 @@ _DECODER_LAYERS = (Site(r"(^|\.)layers\.\d+\.self_attn$", causal=True),)
 
 
 def _kv_heads(config: dict[str, Any]) -> int:
-    return int(config.get("num_key_value_heads") or config.get("num_attention_heads") or 0)
+    value = config.get("num_key_value_heads", config.get("num_attention_heads"))
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise UnsupportedModelError(f"config.json has no valid 'num_key_value_heads' ({value!r})")
+    return value
 
 
 # Rotary decoders: per-head queries kept, one shared key per frequency (decompose/rotary.py). RoPE itself,
@@ -243,6 +249,8 @@ REFUSED: dict[str, str] = {
 
 def family_for(config: dict[str, Any]) -> Family:
     model_type = config.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise UnsupportedModelError(f"config.json's model_type {model_type!r} is not a name")
     if not model_type:
         raise UnsupportedModelError("config.json has no model_type, so the architecture cannot be recognised")
     if model_type in REFUSED:

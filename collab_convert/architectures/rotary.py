@@ -219,9 +219,13 @@ class RotaryProjections:
 
 def rotary_dim_of(config: dict, head_dim: int) -> int:
     """RoPE's rotated dimensions per head: all of them unless the config asks for partial rotary."""
-    parameters = config.get("rope_parameters") or {}
-    factor = parameters.get("partial_rotary_factor") or config.get("partial_rotary_factor") or config.get("rotary_pct")
-    rotary = int(head_dim * float(factor)) if factor else head_dim
+    parameters = config.get("rope_parameters")
+    parameters = parameters if isinstance(parameters, dict) else {}
+    factor = next((value for value in (parameters.get("partial_rotary_factor"), config.get("partial_rotary_factor"),
+                                       config.get("rotary_pct")) if value is not None), 1.0)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise BadInputError(f"config.json's partial rotary factor {factor!r} is not a number in (0, 1]")
+    rotary = int(head_dim * float(factor))
     if rotary <= 0 or rotary % 2 or rotary > head_dim:
         raise BadInputError(f"a rotary width of {rotary} of {head_dim} dimensions per head is not supported")
     return rotary

@@ -46,14 +46,16 @@ class TensorReader:
                     weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
                 except (OSError, ValueError, KeyError, TypeError) as error:
                     raise BadInputError(f"{index} is not a valid weight index: {error}") from None
-                files = sorted({folder / f for f in weight_map.values()})
+                if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                    raise BadInputError(f"{index} is not a valid weight index: its weight_map is not names -> files")
+                files = sorted({_inside(folder, f, index) for f in weight_map.values()})
                 missing = [f.name for f in files if not f.is_file()]
                 if missing:
                     raise BadInputError(f"{index} names shards that are missing: {', '.join(missing[:3])}")
                 return files
         single = folder / "model.safetensors"
         if single.is_file():
-            return [single]
+            return [_inside(folder, single.name, single)]
         legacy = folder / "pytorch_model.bin"
         if legacy.is_file():
             return [legacy]
@@ -67,6 +69,8 @@ class TensorReader:
     def _handle(self, file: Path):
         if file not in self._open:
             from safetensors import safe_open
+
+            check_safetensors_header(file)
 
             try:
                 self._open[file] = safe_open(str(file), framework="pt")
@@ -130,6 +134,89 @@ class TensorReader:
     def close(self) -> None:
         self._open.clear()
         self._bin_cache.clear()
+
+
+def _inside(folder: Path, name: str, named_by: Path) -> Path:
+    """A weight file named by an index (or the single shard), refused if it lies outside the model folder:
+    an absolute path, `../`, or a symlink that escapes."""
+    path = folder / name
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        raise BadInputError(f"{named_by.name} names a weight file outside the model folder: {name}")
+    # The Hugging Face cache keeps files as links from snapshots/<revision>/ into the repository's blobs/.
+    allowed = [folder.resolve()]
+    if folder.parent.name == "snapshots":
+        allowed.append(folder.parent.parent.resolve() / "blobs")
+    if path.exists() and not any(root in path.resolve().parents for root in allowed):
+        raise BadInputError(f"{path.name} is a link that leads outside the model folder ({path.resolve()})")
+    return path
+
+
+# Bytes per element of every dtype a safetensors header may name.
+ITEM_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+              "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8, "C64": 8, "F8_E8M0": 1}
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+
+
+def check_safetensors_header(file: Path) -> None:
+    """Refuse a safetensors file whose header lies, before anything it claims is allocated or mapped: a header
+    longer than the file, not JSON, duplicate names, unknown dtypes, shapes that disagree with their byte ranges,
+    ranges outside the data or overlapping."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise _bad(file, "it is shorter than a safetensors header")
+            length = int.from_bytes(prefix, "little")
+            if length > min(size - 8, MAX_HEADER_BYTES):
+                raise _bad(file, f"its header claims {length:,} bytes, more than the file holds ({size:,})")
+            raw = handle.read(length)
+    except OSError as error:
+        raise BadInputError(f"{file.name} could not be read: {error.strerror or error}") from None
+    names: list[str] = []
+
+    def pairs(items):
+        names.extend(key for key, _ in items)
+        return dict(items)
+
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=pairs)
+    except (UnicodeDecodeError, ValueError):
+        raise _bad(file, "its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise _bad(file, "its header is not a JSON object")
+    top = [name for name in names if name in header]
+    if len(top) != len(set(top)):
+        raise _bad(file, "its header names a tensor twice")
+    _check_ranges(file, {k: v for k, v in header.items() if k != "__metadata__"}, size - 8 - length)
+
+
+def _check_ranges(file: Path, entries: dict, data_bytes: int) -> None:
+    ranges = []
+    for name, entry in entries.items():
+        if not isinstance(entry, dict) or entry.get("dtype") not in ITEM_SIZES:
+            raise _bad(file, f"tensor {name!r} has no known dtype")
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise _bad(file, f"tensor {name!r} has an invalid shape {shape!r}")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= data_bytes):
+            raise _bad(file, f"tensor {name!r} lies outside the file's data ({offsets!r}, {data_bytes:,} bytes)")
+        count = 1
+        for dimension in shape:
+            count *= dimension
+        if count * ITEM_SIZES[entry["dtype"]] != offsets[1] - offsets[0]:
+            raise _bad(file, f"tensor {name!r}: shape {shape} in {entry['dtype']} disagrees with its "
+                             f"{offsets[1] - offsets[0]:,} bytes")
+        ranges.append((offsets[0], offsets[1], name))
+    ranges.sort()
+    for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
+        if start < end:
+            raise _bad(file, f"tensors {first!r} and {second!r} overlap")
+
+
+def _bad(file: Path, why: str) -> BadInputError:
+    return BadInputError(f"{file.name} is not a valid safetensors file: {why}")
 
 
 def parse_size(text: str | int) -> int:
