@@ -16,6 +16,9 @@ import warnings
 
 
 def _register() -> None:
+    loading = sys.modules.get(f"{__package__}.loading")
+    if loading is not None and not hasattr(loading, "register"):
+        return  # transformers is being imported by loading.py itself, which registers once it is defined
     try:
         from .loading import register
 

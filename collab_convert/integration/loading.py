@@ -10,6 +10,7 @@ transformers' public registration API and no remote code.
 from __future__ import annotations
 
 
+import torch
 from transformers import AutoConfig, AutoModel
 from transformers.quantizers import (
     HfQuantizer,
@@ -39,11 +40,20 @@ class CollaborativeQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         config = self.quantization_config
-        collaborate_model(model, family_named(config.family), config.layers,
-                          getattr(model, "base_model_prefix", None))
+        base = getattr(model, "base_model_prefix", None)
+        converted = collaborate_model(model, family_named(config.family), config.layers, base)
+        self._converted = converted
+        _check_complete(model, converted, kwargs.get("checkpoint_files") or [], base)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        """A tampered checkpoint must not load silently wrong: every collaborative parameter must be finite."""
+        modules = dict(model.named_modules())
+        for name in getattr(self, "_converted", []):
+            for parameter_name, parameter in modules[name].named_parameters():
+                if parameter.is_floating_point() and not bool(torch.isfinite(parameter).all()):
+                    raise ValueError(f"{name}.{parameter_name} holds NaN or Inf values: the collaborative checkpoint is "
+                                     "corrupt; compress the original model again")
         return model
 
     def is_serializable(self, safe_serialization=None):
@@ -56,6 +66,28 @@ class CollaborativeQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def _check_complete(model, converted: list[str], checkpoint_files: list[str], base: str | None) -> None:
+    """Every parameter of a converted module must be in the checkpoint: transformers would otherwise initialise a
+    missing one at random and load on. Read from the safetensors headers, before any weight is loaded."""
+    from safetensors import safe_open
+
+    from ..modeling.collaborative import strip_prefix
+
+    stored = set()
+    for file in checkpoint_files:
+        if not str(file).endswith(".safetensors"):
+            return  # legacy pickles: nothing to read without loading them
+        with safe_open(str(file), framework="pt") as handle:
+            stored.update(strip_prefix(key, base) for key in handle.keys())
+    modules = dict(model.named_modules())
+    for name in converted:
+        for parameter_name, _ in modules[name].named_parameters():
+            wanted = strip_prefix(f"{name}.{parameter_name}", base)
+            if stored and wanted not in stored:
+                raise ValueError(f"the collaborative checkpoint has no {wanted}: it is incomplete or was altered; "
+                                 "compress the original model again")
 
 
 def register() -> None:
@@ -81,3 +113,6 @@ def load_model(path, auto_class=None, **kwargs):
         auto_class = getattr(transformers, architectures[0], None) if len(architectures) == 1 else None
         auto_class = auto_class or AutoModel
     return auto_class.from_pretrained(path, **kwargs)
+
+
+register()  # importing this module first imports transformers; the import hook leaves registering to here
