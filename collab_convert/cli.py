@@ -328,7 +328,8 @@ def _print_compression(result, rank) -> None:
     from .results import layer_labels
 
     labels = layer_labels([layer.name for layer in result.layers])
-    table = _table(f"Collaborative attention ({'auto ranks' if rank == 'auto' else f'rank {rank}'}): {result.model}",
+    kind = "auto ranks" if rank == "auto" else f"rank {rank}" if rank is not None else "shared rotary key"
+    table = _table(f"Collaborative attention ({kind}): {result.model}",
                    "layer", "rank", "relative error", "per-head truncation", "Q/K params before", "after")
     for layer in result.layers:
         table.add_row(
@@ -417,6 +418,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     except MemoryError:
         _error("ran out of memory")
         return 3
+    except OSError as error:
+        import errno
+
+        if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
+            where = f" ({error.filename})" if error.filename else ""
+            _error(f"could not write the output{where}: {error.strerror}; nothing was written")
+            return 3
+        raise
     except Exception as error:  # click's own exceptions, whichever copy of click raised them
         if _is(error, "NoArgsIsHelpError"):
             print(error.format_message() if hasattr(error, "format_message") else "", file=sys.stderr)

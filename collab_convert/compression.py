@@ -69,7 +69,7 @@ def compress(model: str, options: CompressOptions, progress: Progress = no_progr
             def write_record(reports, folder, method):
                 write_format_config(source, reports, folder, method)
         output = Path(_check(source, options, ranks).output)
-        with StagedOutput(output) as staged:
+        with StagedOutput(output, options.overwrite) as staged:
             reports, files = convert(staged.folder)
             files += copy_non_weight_files(source.folder, staged.folder)
             result = CompressResult(

@@ -144,6 +144,16 @@ def check_output(output: Path, source: Path, overwrite: bool) -> None:
             raise OutputExistsError(f"output {output} exists and is not empty; pass --overwrite to replace it")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class StagedOutput:
     """A staging folder beside OUT that becomes OUT in one rename, or vanishes.
 
@@ -151,14 +161,24 @@ class StagedOutput:
     the block without a commit (an error, an interrupt) removes it, so no half-written output is ever seen.
     """
 
-    def __init__(self, output: Path):
+    def __init__(self, output: Path, overwrite: bool = False):
         self.output = output
+        self.overwrite = overwrite
         self.folder = output.parent / f".{output.name}.collab-tmp-{os.getpid()}"
 
     def __enter__(self) -> "StagedOutput":
         self.output.parent.mkdir(parents=True, exist_ok=True)
+        self._remove_abandoned()
         self.folder.mkdir()
         return self
+
+    def _remove_abandoned(self) -> None:
+        """Staging folders of runs that were killed (SIGKILL leaves them): their process is gone, so they are
+        never a finished output and are removed. A live run's staging folder is left alone."""
+        for leftover in self.output.parent.glob(f".{self.output.name}.collab-tmp-*"):
+            pid = leftover.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(leftover, ignore_errors=True)
 
     def __exit__(self, *exc_info) -> None:
         if self.folder.exists():
@@ -180,12 +200,20 @@ class StagedOutput:
 
     def _swap(self) -> None:
         output = self.output
-        if output.exists() and any(output.iterdir()):
+        occupied = output.exists() and any(output.iterdir())
+        if occupied and not self.overwrite:
+            # Another run finished first (both saw OUT empty when they started): theirs stays whole.
+            raise OutputExistsError(f"output {output} was written by another run meanwhile; nothing was changed")
+        if occupied:
             retired = output.parent / f".{output.name}.collab-old-{os.getpid()}"
             output.rename(retired)
             self.folder.rename(output)
             shutil.rmtree(retired, ignore_errors=True)
         else:
-            if output.exists():
-                output.rmdir()
-            self.folder.rename(output)
+            try:
+                if output.exists():
+                    output.rmdir()
+                self.folder.rename(output)
+            except OSError:  # a concurrent run put its output there between the check and the rename
+                raise OutputExistsError(f"output {output} was written by another run meanwhile; nothing was "
+                                        "changed") from None

@@ -1,0 +1,61 @@
+"""The output side fails cleanly: a full disk (a file-size limit) ends in one line with nothing written, a run
+killed with SIGKILL leaves only a staging folder that the next run removes, and of two runs racing for one OUT
+one wins whole while the other refuses."""
+
+import resource
+import subprocess
+import sys
+
+import pytest
+
+from collab_convert.errors import OutputExistsError
+from collab_convert.io.folders import StagedOutput
+from fixtures.models import ROTARY_CASES, build_rotary
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("decoder") / "llama"
+    build_rotary(next(c for c in ROTARY_CASES if c.name == "llama"), folder)
+    return folder
+
+
+def cli(*arguments, limit_bytes=None):
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    return subprocess.run([sys.executable, "-m", "collab_convert", *map(str, arguments)], capture_output=True,
+                          text=True, preexec_fn=limit if limit_bytes else None)
+
+
+def test_a_full_disk_ends_in_one_line_and_leaves_nothing(decoder, tmp_path):
+    run = cli("compress", decoder, "--key-cache", "0.5", "-o", tmp_path / "out", "-q", limit_bytes=20_000)
+    assert run.returncode == 3
+    assert run.stderr.startswith("error: could not write the output") and run.stderr.count("\n") == 1
+    assert "Traceback" not in run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_killed_runs_staging_folder_is_removed_by_the_next_run(decoder, tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    abandoned = tmp_path / f".out.collab-tmp-{dead.pid}"
+    abandoned.mkdir()
+    (abandoned / "model.safetensors").write_bytes(b"half")
+    run = cli("compress", decoder, "--key-cache", "0.5", "-o", tmp_path / "out", "-q")
+    assert run.returncode == 0, run.stderr
+    assert not abandoned.exists() and (tmp_path / "out" / "config.json").is_file()
+
+
+def test_of_two_runs_writing_one_output_one_wins_whole(tmp_path):
+    output = tmp_path / "out"
+    first, second = StagedOutput(output), StagedOutput(output)
+    second.folder = tmp_path / ".out.collab-tmp-second"  # two processes in one test: two staging folders
+    with first, second:
+        (first.folder / "model.safetensors").write_text("first")
+        (second.folder / "model.safetensors").write_text("second")
+        first.commit()
+        with pytest.raises(OutputExistsError, match="another run"):
+            second.commit()
+    assert (output / "model.safetensors").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
