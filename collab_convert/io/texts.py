@@ -7,8 +7,14 @@ from pathlib import Path
 from ..errors import BadInputError
 
 
+MAX_LINE_CHARACTERS = 100_000  # far beyond any token budget; a 10 MB line is cut, not tokenised whole
+
+
 def read_texts(path: Path, limit: int | None = None) -> list[str]:
-    """One example per line, from a text file or every .txt file in a folder (sorted); blank lines skipped."""
+    """One example per line, from a text file or every .txt file in a folder (sorted); blank lines skipped.
+
+    Read line by line and only up to `limit` examples, so a huge file or a folder of thousands of files costs
+    what is used. Binary files and invalid UTF-8 are refused in one line."""
     path = Path(path).expanduser()
     if path.is_dir():
         files = sorted(path.rglob("*.txt"))
@@ -18,13 +24,30 @@ def read_texts(path: Path, limit: int | None = None) -> list[str]:
         files = [path]
     else:
         raise BadInputError(f"calibration text {path} does not exist")
-    texts = []
+    texts: list[str] = []
     for file in files:
-        try:
-            content = file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            raise BadInputError(f"{file} is not readable UTF-8 text: {error}") from None
-        texts += [line.strip() for line in content.splitlines() if line.strip()]
+        texts += _lines(file, None if limit is None else limit - len(texts))
+        if limit is not None and len(texts) >= limit:
+            break
     if not texts:
         raise BadInputError(f"{path} holds no text")
     return texts[:limit] if limit else texts
+
+
+def _lines(file: Path, wanted: int | None) -> list[str]:
+    lines = []
+    try:
+        with open(file, encoding="utf-8", newline=None) as handle:
+            for line in handle:
+                if "\x00" in line:
+                    raise BadInputError(f"{file} looks binary (it holds NUL bytes); give plain UTF-8 text")
+                text = line.strip()[:MAX_LINE_CHARACTERS]
+                if text:
+                    lines.append(text)
+                    if wanted is not None and len(lines) >= wanted:
+                        break
+    except UnicodeDecodeError as error:
+        raise BadInputError(f"{file} is not UTF-8 text (byte {error.start}: {error.reason})") from None
+    except OSError as error:
+        raise BadInputError(f"{file} could not be read: {error.strerror or error}") from None
+    return lines
