@@ -108,7 +108,10 @@ def _rotary(source: SourceModel, options: CompressOptions, texts: list[str] | No
     if texts is not None:
         statistics, calibrations, calibration = calibrated_statistics(source, options, texts, progress)
     else:
-        statistics = {layer.prefix: weight_statistics(source, layer) for layer in source.layers}
+        statistics = {}
+        for layer in source.layers:
+            source.reader.release_all_but(layer.anchor)  # one input shard mapped at a time, as when streaming
+            statistics[layer.prefix] = weight_statistics(source, layer)
     ranks = allocate_ranks(source, statistics, width)
     choice = {"mode": "key-cache budget", "numbers_per_token_and_layer": width,
               "share_of_key_cache": round(width / max(layer.full_rank for layer in source.layers), 4),

@@ -179,7 +179,11 @@ def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progr
             for new_name, tensor in tensors.items():
                 writer.add(new_name, tensor)
         if name not in replaced:
-            writer.add(name, reader.get(name))
+            location = reader.byte_range(name)
+            if location is None:
+                writer.add(name, reader.get(name))
+            else:
+                writer.copy_bytes(reader.spec(name), location)
     progress("decomposing", len(reports), len(source.layers))
     return reports, writer.finish()
 

@@ -28,6 +28,7 @@ class TensorReader:
         self._key: dict[str, str] = {}  # name -> key in the file
         self._open: dict[Path, Any] = {}
         self._bin_cache: dict[Path, dict[str, torch.Tensor]] = {}
+        self._layout: dict[Path, tuple[int, dict]] = {}  # safetensors: where the data starts, and each entry
         files = self._weight_files(folder)
         for file in files:
             for key in self._names_in(file):
@@ -70,7 +71,7 @@ class TensorReader:
         if file not in self._open:
             from safetensors import safe_open
 
-            check_safetensors_header(file)
+            self._layout[file] = check_safetensors_header(file)
 
             try:
                 self._open[file] = safe_open(str(file), framework="pt")
@@ -113,6 +114,17 @@ class TensorReader:
             raise
         except Exception as error:  # noqa: BLE001 - truncated files fail here, not at open
             raise BadInputError(f"tensor {name} in {file.name} could not be read: {error}") from None
+
+    def byte_range(self, name: str) -> tuple[Path, int, int] | None:
+        """(file, start, end) of a tensor's bytes in a safetensors file, for copying it through unchanged
+        without loading it; None for pickled checkpoints."""
+        file, key = self._location[name], self._key[name]
+        if file.suffix != ".safetensors":
+            return None
+        self._handle(file)
+        data_start, entries = self._layout[file]
+        start, end = entries[key]["data_offsets"]
+        return file, data_start + start, data_start + end
 
     def spec(self, name: str) -> TensorSpec:
         """dtype and shape, read from the safetensors header without loading the tensor."""
@@ -157,7 +169,7 @@ ITEM_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16"
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 
 
-def check_safetensors_header(file: Path) -> None:
+def check_safetensors_header(file: Path) -> tuple[int, dict]:
     """Refuse a safetensors file whose header lies, before anything it claims is allocated or mapped: a header
     longer than the file, not JSON, duplicate names, unknown dtypes, shapes that disagree with their byte ranges,
     ranges outside the data or overlapping."""
@@ -188,7 +200,9 @@ def check_safetensors_header(file: Path) -> None:
     top = [name for name in names if name in header]
     if len(top) != len(set(top)):
         raise _bad(file, "its header names a tensor twice")
-    _check_ranges(file, {k: v for k, v in header.items() if k != "__metadata__"}, size - 8 - length)
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    _check_ranges(file, entries, size - 8 - length)
+    return 8 + length, entries
 
 
 def _check_ranges(file: Path, entries: dict, data_bytes: int) -> None:
@@ -324,7 +338,31 @@ class ShardWriter:
             self._open_next_shard()
         data = tensor.detach().contiguous().reshape(-1)
         if data.numel():
-            self._handle.write(data.view(torch.uint8).numpy().tobytes())
+            self._handle.write(data.view(torch.uint8).numpy())  # the buffer itself: no copy
+        self._advance()
+
+    def copy_bytes(self, spec: TensorSpec, source: tuple[Path, int, int], chunk: int = 16 * 2**20) -> None:
+        """Copy a tensor's bytes from another safetensors file unchanged, a chunk at a time: a tensor that
+        passes through is never in memory whole (and the output bytes are those add() would write)."""
+        expected = self.specs[self._position]
+        file, start, end = source
+        if spec != expected or end - start != expected.nbytes:
+            raise RuntimeError(f"writer expected {expected.name} ({expected.nbytes} bytes), got {spec.name} "
+                               f"({end - start} bytes)")
+        if self._handle is None or self._remaining == 0:
+            self._open_next_shard()
+        with open(file, "rb") as handle:
+            handle.seek(start)
+            remaining = end - start
+            while remaining:
+                block = handle.read(min(chunk, remaining))
+                if not block:
+                    raise BadInputError(f"{file.name} ends before tensor {spec.name} does")
+                self._handle.write(block)
+                remaining -= len(block)
+        self._advance()
+
+    def _advance(self) -> None:
         self._remaining -= 1
         self._position += 1
 
