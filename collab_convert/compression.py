@@ -21,7 +21,15 @@ from .io.folders import StagedOutput, copy_non_weight_files
 from .options import CompressOptions
 from .progress import Progress, no_progress
 from .results import CompressPlan, CompressResult
-from .stages import calibrate, calibration_texts, check_plan, convert_weights, energy_ranks, write_format_config
+from .stages import (
+    FinishedLayers,
+    calibrate,
+    calibration_texts,
+    check_plan,
+    convert_weights,
+    energy_ranks,
+    write_format_config,
+)
 
 
 def plan(model: str, options: CompressOptions) -> CompressPlan:
@@ -63,14 +71,14 @@ def compress(model: str, options: CompressOptions, progress: Progress = no_progr
             estimator = _estimator(source, options, metrics, held_out)
             ranks, rank_choice = choose_ranks(source, options, metrics, estimator, progress)
 
-            def convert(folder):
-                return convert_weights(source, options, folder, progress, ranks, metrics)
+            def convert(folder, finished):
+                return convert_weights(source, options, folder, progress, ranks, metrics, finished)
 
             def write_record(reports, folder, method):
                 write_format_config(source, reports, folder, method)
         output = Path(_check(source, options, ranks).output)
-        with StagedOutput(output, options.overwrite) as staged:
-            reports, files = convert(staged.folder)
+        with StagedOutput(output, options.overwrite, options.resume) as staged:
+            reports, files = convert(staged.folder, FinishedLayers(staged.finished_work))
             files += copy_non_weight_files(source.folder, staged.folder)
             result = CompressResult(
                 model=model, output=str(output), family=source.family.name, method=options.method,
@@ -117,8 +125,8 @@ def _rotary(source: SourceModel, options: CompressOptions, texts: list[str] | No
               "share_of_key_cache": round(width / max(layer.full_rank for layer in source.layers), 4),
               "spread": "over layers and rotary frequencies, where the most score energy stays"}
 
-    def convert(folder: Path):
-        return convert_rotary_weights(source, options, folder, progress, ranks, statistics, calibrations)
+    def convert(folder: Path, finished):
+        return convert_rotary_weights(source, options, folder, progress, ranks, statistics, calibrations, finished)
 
     def write_record(reports, folder: Path, method: str) -> None:
         write_rotary_config(source, reports, folder, method)

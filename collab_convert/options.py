@@ -83,6 +83,8 @@ class CompressOptions(_ModelInputs):
         DEFAULT_METHOD, description=" or ".join(f"{name} ({m.description.split(':')[0]})" for name, m in METHODS.items()) + "."
     )
     overwrite: bool = Field(False, description="Replace OUTPUT if it exists and is not empty.")
+    resume: bool = Field(False, description="Continue a run that was killed (SIGKILL, a crash) writing OUTPUT: "
+                         "layers it finished are not fitted again; the result is byte-identical.")
 
     @field_validator("device")
     @classmethod

@@ -201,7 +201,8 @@ def _shares(spectrum: KeySpectrum) -> KeySpectrum:
 
 
 def convert_rotary_weights(source: SourceModel, options: CompressOptions, folder: Path, progress: Progress,
-                           ranks: dict[str, KeyRanks], statistics: dict[str, KeyStatistics], calibrations=None):
+                           ranks: dict[str, KeyRanks], statistics: dict[str, KeyStatistics], calibrations=None,
+                           finished=None):
     layout, normed = source.family.layout, key_norm(source)
 
     def specs(layer: AttentionLayer):
@@ -214,7 +215,7 @@ def convert_rotary_weights(source: SourceModel, options: CompressOptions, folder
         return _fit_layer(source, layer, ranks[layer.prefix], statistics[layer.prefix], normed, calibration,
                           options)
 
-    return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit)
+    return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished)
 
 
 def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, statistics: KeyStatistics,

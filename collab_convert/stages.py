@@ -3,6 +3,7 @@ predict.py reuses them to measure what a rank would give before anything is writ
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,7 +143,7 @@ def energy_ranks(source: SourceModel, options: CompressOptions, metrics) -> dict
 
 
 def convert_weights(source: SourceModel, options: CompressOptions, folder: Path, progress: Progress,
-                     ranks: dict[str, int], metrics):
+                     ranks: dict[str, int], metrics, finished: "FinishedLayers | None" = None):
     """Every tensor to the output in input order; at each attention layer, its collaborative tensors (fitted
     there) in place of the ones they replace."""
     def specs(layer: AttentionLayer) -> list[TensorSpec]:
@@ -154,9 +155,49 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
     return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit)
 
 
+class FinishedLayers:
+    """Each fitted layer's tensors and report, saved as it finishes (safetensors + JSON) in the staging folder,
+    so that --resume after a killed run reuses them instead of fitting again: the costly part of a long
+    calibrated run. Saved tensors are exactly what is written, so a resumed output is byte-identical."""
+
+    def __init__(self, folder: Path | None):
+        self.folder = folder
+
+    def _paths(self, layer: AttentionLayer) -> tuple[Path, Path]:
+        stem = layer.prefix.replace("/", "_")
+        return self.folder / f"{stem}.safetensors", self.folder / f"{stem}.json"
+
+    def get(self, layer: AttentionLayer):
+        if self.folder is None:
+            return None
+        tensors_path, report_path = self._paths(layer)
+        if not (tensors_path.is_file() and report_path.is_file()):
+            return None
+        from safetensors.torch import load_file
+
+        try:
+            report = LayerReport(**json.loads(report_path.read_text(encoding="utf-8")))
+            tensors = load_file(str(tensors_path))
+            order = json.loads(report_path.with_suffix(".order").read_text(encoding="utf-8"))
+            return report, {name: tensors[name] for name in order}
+        except Exception:  # noqa: BLE001 - a half-saved layer (killed while saving) is fitted again
+            return None
+
+    def put(self, layer: AttentionLayer, report: LayerReport, tensors: dict[str, torch.Tensor]) -> None:
+        if self.folder is None:
+            return
+        from safetensors.torch import save_file
+
+        tensors_path, report_path = self._paths(layer)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tensors_path))
+        report_path.with_suffix(".order").write_text(json.dumps(list(tensors)), encoding="utf-8")
+        report_path.write_text(json.dumps(report.to_dict()), encoding="utf-8")  # last: marks the layer done
+
+
 def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progress: Progress,
                    layer_specs: Callable[[AttentionLayer], list[TensorSpec]],
-                   fit: Callable[[AttentionLayer], tuple[LayerReport, dict[str, torch.Tensor]]]):
+                   fit: Callable[[AttentionLayer], tuple[LayerReport, dict[str, torch.Tensor]]],
+                   finished: FinishedLayers | None = None):
     """Stream every tensor to the output in input order; at each attention layer, fit it and write its new
     tensors in place of the ones they replace. One layer and one tensor in memory at a time; every output
     tensor's name, dtype and shape is known (layer_specs) before anything is computed."""
@@ -174,7 +215,11 @@ def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progr
         reader.release_all_but(name)  # keep one input shard mapped at a time
         if name in by_anchor:
             progress("decomposing", len(reports), len(source.layers))
-            report, tensors = fit(by_anchor[name])
+            layer = by_anchor[name]
+            done = finished.get(layer) if finished else None
+            report, tensors = done if done else fit(layer)
+            if finished and not done:
+                finished.put(layer, report, tensors)
             reports.append(report)
             for new_name, tensor in tensors.items():
                 writer.add(new_name, tensor)

@@ -2,6 +2,7 @@
 killed with SIGKILL leaves only a staging folder that the next run removes, and of two runs racing for one OUT
 one wins whole while the other refuses."""
 
+import json
 import resource
 import subprocess
 import sys
@@ -59,3 +60,43 @@ def test_of_two_runs_writing_one_output_one_wins_whole(tmp_path):
             second.commit()
     assert (output / "model.safetensors").read_text() == "first"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+KILL_AFTER_FIRST_LAYER = r"""
+import os, signal, sys
+from pathlib import Path
+from collab_convert import CompressOptions, compress
+
+def progress(stage, done, total):
+    if stage == "decomposing" and done == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as a scheduler or the OOM killer would
+
+compress(sys.argv[1], CompressOptions(key_cache=0.5, output=Path(sys.argv[2]), calibration=Path(sys.argv[3]),
+                                      refine_steps=20), progress)
+"""
+
+
+def test_resume_continues_a_killed_run_and_writes_the_same_bytes(decoder, tmp_path):
+    from collab_convert import CompressOptions, compress
+    from fixtures.models import save_tiny_tokenizer
+
+    save_tiny_tokenizer(decoder)
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(f"the {w} was on the {v}" for w in "abcdef" for v in "ghij") + "\n")
+    killed = subprocess.run([sys.executable, "-c", KILL_AFTER_FIRST_LAYER, str(decoder), str(tmp_path / "out"),
+                             str(texts)])
+    assert killed.returncode == -9
+    staging = [p for p in tmp_path.iterdir() if ".collab-tmp-" in p.name]
+    assert len(staging) == 1 and not (tmp_path / "out").exists()  # never mistaken for a finished output
+    finished = sorted(p.name for p in (staging[0] / ".resume").iterdir() if p.suffix == ".json")
+    assert len(finished) == 1  # the first layer was saved before the kill
+    saved = json.loads((staging[0] / ".resume" / finished[0]).read_text())
+
+    options = dict(key_cache=0.5, calibration=texts, refine_steps=20)
+    resumed = compress(str(decoder), CompressOptions(output=tmp_path / "out", resume=True, **options))
+    compress(str(decoder), CompressOptions(output=tmp_path / "whole", **options))
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
+    assert resumed.layers[0].seconds == saved["seconds"]  # reused, not fitted again
+    assert resumed.layers[1].seconds != saved["seconds"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "texts.txt", "whole"]
+    assert not (tmp_path / "out" / ".resume").exists()

@@ -161,24 +161,45 @@ class StagedOutput:
     the block without a commit (an error, an interrupt) removes it, so no half-written output is ever seen.
     """
 
-    def __init__(self, output: Path, overwrite: bool = False):
+    RESUME = ".resume"  # inside the staging folder: work a killed run finished, for --resume
+
+    def __init__(self, output: Path, overwrite: bool = False, resume: bool = False):
         self.output = output
         self.overwrite = overwrite
+        self.resume = resume
         self.folder = output.parent / f".{output.name}.collab-tmp-{os.getpid()}"
+        self.resumed = False  # whether a killed run's finished work was taken over
 
     def __enter__(self) -> "StagedOutput":
         self.output.parent.mkdir(parents=True, exist_ok=True)
-        self._remove_abandoned()
-        self.folder.mkdir()
+        self._take_over_abandoned()
+        self.folder.mkdir(exist_ok=self.resumed)
+        (self.folder / self.RESUME).mkdir(exist_ok=True)
         return self
 
-    def _remove_abandoned(self) -> None:
-        """Staging folders of runs that were killed (SIGKILL leaves them): their process is gone, so they are
-        never a finished output and are removed. A live run's staging folder is left alone."""
+    def _take_over_abandoned(self) -> None:
+        """Staging folders of runs that were killed (SIGKILL leaves them; their process is gone) are never a
+        finished output. With --resume the newest one's finished work (its .resume folder) is taken over and
+        everything else in it dropped; otherwise they are removed. A live run's staging folder is left alone."""
+        abandoned = []
         for leftover in self.output.parent.glob(f".{self.output.name}.collab-tmp-*"):
             pid = leftover.name.rsplit("-", 1)[-1]
             if pid.isdigit() and not _alive(int(pid)):
-                shutil.rmtree(leftover, ignore_errors=True)
+                abandoned.append(leftover)
+        abandoned.sort(key=lambda folder: folder.stat().st_mtime)
+        if self.resume and abandoned and (abandoned[-1] / self.RESUME).is_dir():
+            kept = abandoned.pop()
+            for item in kept.iterdir():
+                if item.name != self.RESUME:
+                    shutil.rmtree(item) if item.is_dir() else item.unlink()
+            kept.rename(self.folder)
+            self.resumed = True
+        for leftover in abandoned:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    @property
+    def finished_work(self) -> Path:
+        return self.folder / self.RESUME
 
     def __exit__(self, *exc_info) -> None:
         if self.folder.exists():
@@ -199,6 +220,7 @@ class StagedOutput:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
     def _swap(self) -> None:
+        shutil.rmtree(self.finished_work, ignore_errors=True)  # never part of the output
         output = self.output
         occupied = output.exists() and any(output.iterdir())
         if occupied and not self.overwrite:
