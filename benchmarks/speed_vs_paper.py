@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--rank", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=3, help="runs of ours; the median is reported")
+    parser.add_argument("--no-plots", action="store_true", help="both sides skip the plots (compress --no-plots)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -38,12 +39,13 @@ def main() -> None:
         timed_compress(args.model, scratch / "warm", rank=args.rank, max_iterations=1)
 
         ours = sorted(
-            (timed_compress(args.model, scratch / f"ours{i}", rank=args.rank) for i in range(args.repeats)),
+            (timed_compress(args.model, scratch / f"ours{i}", rank=args.rank, plots=not args.no_plots)
+             for i in range(args.repeats)),
             key=lambda run: run[0],
         )
         ours_seconds, ours_result = ours[len(ours) // 2]
         paper_seconds, paper_result = timed_compress(
-            args.model, scratch / "paper", rank=args.rank, method="reference-parafac"
+            args.model, scratch / "paper", rank=args.rank, method="reference-parafac", plots=not args.no_plots
         )
 
     layers = len(ours_result.layers)

@@ -90,7 +90,7 @@ def compress(model: str, options: CompressOptions, progress: Progress = no_progr
                 result.fidelity = estimator.measured(staged.folder)
                 progress("measuring fidelity", 1, 1)
             progress("writing reports and plots", 0, 1)
-            files += ["config.json"] + _write_reports(result, source, staged.folder, started)
+            files += ["config.json"] + _write_reports(result, source, staged.folder, started, options.plots)
             progress("writing reports and plots", 1, 1)
             result.files = sorted(files)
             staged.commit()
@@ -173,12 +173,16 @@ def choose_ranks(source: SourceModel, options: CompressOptions, metrics, estimat
     return {layer.prefix: min(estimate.rank, layer.shape.key_dim) for layer in source.layers}, choice
 
 
-def _write_reports(result: CompressResult, source: SourceModel, folder: Path, started: float) -> list[str]:
+def _write_reports(result: CompressResult, source: SourceModel, folder: Path, started: float,
+                   plots: bool = True) -> list[str]:
     from .report.card import CardSource, write_model_card
-    from .report.plots import write_plots
     from .report.reports import write_reports
 
-    files = write_plots(result, folder)
+    files = []
+    if plots:
+        from .report.plots import write_plots
+
+        files = write_plots(result, folder)
     result.seconds = time.perf_counter() - started
     card = CardSource.of(result.model, source.folder, source.config)
     return files + write_reports(result, folder) + write_model_card(result, card, folder)

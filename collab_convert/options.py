@@ -83,6 +83,9 @@ class CompressOptions(_ModelInputs):
         DEFAULT_METHOD, description=" or ".join(f"{name} ({m.description.split(':')[0]})" for name, m in METHODS.items()) + "."
     )
     overwrite: bool = Field(False, description="Replace OUTPUT if it exists and is not empty.")
+    plots: bool = Field(True, description="Draw spectra.png and errors.png beside the reports (--no-plots skips "
+                        "them: matplotlib is a third of a small model's compress time).",
+                        json_schema_extra={"flags": ["--plots/--no-plots"]})
     resume: bool = Field(False, description="Continue a run that was killed (SIGKILL, a crash) writing OUTPUT: "
                          "layers it finished are not fitted again; the result is byte-identical.")
 

@@ -78,3 +78,11 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path, capsys):
     code, _, err = run(capsys, "compress", fake, "--key-cache", "0.5", "-o", tmp_path / "out")
     assert_refused(code, err, "not a GGUF file")
     assert not (tmp_path / "out").exists()
+
+
+def test_no_plots_skips_the_pictures_and_keeps_the_reports(tiny_llama, tmp_path, capsys):
+    code, _, _ = run(capsys, "compress", tiny_llama, "--key-cache", "0.5", "-o", tmp_path / "out", "--no-plots", "-q")
+    assert code == 0
+    files = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"report.md", "report.json", "README.md", "model.safetensors"} <= files
+    assert not {"spectra.png", "errors.png"} & files
