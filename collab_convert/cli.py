@@ -218,7 +218,8 @@ def _print_analysis(result) -> None:
 
 def _rotary_spread(result, labels) -> Table:
     table = _table(f"{result.model} ({result.family}, rotary): shared key numbers per token holding 90/95/99% of "
-                   "the score energy", "layer", "heads x d (key heads)", "shared key", "strongest frequencies")
+                   "the score energy", "layer", "heads x d (key heads)", "shared key",
+                   "strongest frequencies (#0 fastest)")
     for layer in result.layers:
         strength = [sum(row) for row in layer.frequency_spectra]
         top = sorted(range(len(strength)), key=lambda j: -strength[j])[:3]
