@@ -100,3 +100,26 @@ def test_resume_continues_a_killed_run_and_writes_the_same_bytes(decoder, tmp_pa
     assert resumed.layers[1].seconds != saved["seconds"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "texts.txt", "whole"]
     assert not (tmp_path / "out" / ".resume").exists()
+
+
+def test_a_read_only_destination_ends_in_one_line(decoder, tmp_path, monkeypatch, capsys):
+    """Root ignores file modes, so the refusal a read-only mount gives is simulated where folders are made."""
+    import errno
+    from pathlib import Path
+
+    from collab_convert.cli import main
+
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    original_mkdir = Path.mkdir
+
+    def refuse(self, *args, **kwargs):
+        if read_only in self.parents or self == read_only:
+            raise PermissionError(errno.EROFS, "Read-only file system", str(self))
+        return original_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    code = main(["compress", str(decoder), "--key-cache", "0.5", "-o", str(read_only / "out"), "-q"])
+    err = capsys.readouterr().err
+    assert code == 3 and err.startswith("error: could not write the output") and err.count("\n") == 1
+    assert list(read_only.iterdir()) == []
