@@ -123,3 +123,16 @@ def test_a_read_only_destination_ends_in_one_line(decoder, tmp_path, monkeypatch
     err = capsys.readouterr().err
     assert code == 3 and err.startswith("error: could not write the output") and err.count("\n") == 1
     assert list(read_only.iterdir()) == []
+
+
+def test_an_output_path_that_links_into_the_input_is_refused(decoder, tmp_path, capsys):
+    from collab_convert.cli import main
+    from fixtures.models import folder_digest
+
+    before = folder_digest(decoder)
+    link = tmp_path / "out"
+    link.symlink_to(decoder / "inside", target_is_directory=True)
+    code = main(["compress", str(decoder), "--key-cache", "0.5", "-o", str(link), "-q"])
+    err = capsys.readouterr().err
+    assert code == 3 and "overlaps the input" in err and err.count("\n") == 1
+    assert folder_digest(decoder) == before
