@@ -318,8 +318,12 @@ def _print_plan(model: str, options: CompressOptions, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(checked.to_dict()))
         return
+    size = f"rank {options.rank}"
+    if options.key_cache is not None:  # rotary decoders: the plan's rank is the shared key's average width
+        width = checked.layers[0]["rank"]
+        size = f"{options.key_cache:.0%} of the key cache ({width} numbers per token and layer on average)"
     stdout.print(
-        f"OK: {checked.model} ({checked.family}), {len(checked.layers)} attention layers at rank {options.rank} -> "
+        f"OK: {checked.model} ({checked.family}), {len(checked.layers)} attention layers at {size} -> "
         f"{checked.output}. Q/K parameters {checked.parameters_before:,} -> {checked.parameters_after:,}.\n"
         "Next: run the same command without --dry-run."
     )
