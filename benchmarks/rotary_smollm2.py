@@ -7,7 +7,8 @@ needs `gguf` and `accelerate`).
 Printed side by side, in one run: perplexity on held-out Brown documents (disjoint Brown texts from the
 calibration documents, first 256 tokens each) of
   - the original (dequantised GGUF, float32),
-  - ours: `compress --key-cache B --calibration FILE` through the CLI as a user runs it (wall time too),
+  - ours: `compress --key-cache B --calibration FILE --refine-steps 300` through the CLI as a user runs it
+    (wall time too),
   - the plain shared-subspace PCA at the same budget: keys pooled across heads per frequency, no query
     weighting, the same width in every layer and every frequency (what TransMLA-style RoRoPE does before
     it drops rotary dimensions),
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--budgets", default="1.0,0.75,0.5")
     parser.add_argument("--calibration", type=int, default=256)
     parser.add_argument("--evaluate", type=int, default=64)
+    parser.add_argument("--refine-steps", type=int, default=300)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -115,7 +117,8 @@ def main() -> None:
             command = [sys.executable, "-m", "collab_convert", "compress", MODEL, "--key-cache", str(budget),
                        "-o", str(out), "--json"]
             if budget < 1:
-                command += ["--calibration", str(calibration_file), "--calibration-samples", str(len(calibration))]
+                command += ["--calibration", str(calibration_file), "--calibration-samples", str(len(calibration)),
+                            "--refine-steps", str(args.refine_steps)]
             subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
             seconds = time.perf_counter() - started
             ours = load_model(out).eval()

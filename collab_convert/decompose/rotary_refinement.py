@@ -133,7 +133,7 @@ class _Problem:
 
 
 def refine_shared_key(samples: list[RotarySample], factors: RotaryFactors, geometry: RotaryGeometry,
-                      setting: AttentionSetting, steps: int = 200, learning_rate: float = 1e-2,
+                      setting: AttentionSetting, steps: int = 200, learning_rate: float = 6e-2,
                       batch_sequences: int = 8, query_rows: int = 32, seed: int = 0) -> RotaryRefinement:
     """Adam on the mean attention KL(original || shared) per head and query (see the module docstring)."""
     slots = slot_frequencies(factors.ranks)
