@@ -144,7 +144,7 @@ def _analyze_rotary(source: SourceModel, model: str, options: AnalyzeOptions, pr
     """Rotary decoders: the shared rotary key's spectra per frequency (weighted by the queries that read it),
     and at candidate key budgets (--ranks: numbers per token and layer; else shares of the key cache) what
     compress would keep per layer, what it costs, and the score energy lost."""
-    from .rotary_stages import allocate_ranks, calibrated_statistics, geometry_of, weight_statistics
+    from .rotary_stages import allocate_ranks, calibrated_statistics, geometry_of, model_weight_statistics
     from .decompose.rotary import fit_shared_key, key_spectrum
 
     full = max(layer.full_rank for layer in source.layers)
@@ -159,7 +159,7 @@ def _analyze_rotary(source: SourceModel, model: str, options: AnalyzeOptions, pr
         fitted, _ = calibration_texts(settings)
         statistics, _, _ = calibrated_statistics(source, settings, fitted, progress)
     else:
-        statistics = {layer.prefix: weight_statistics(source, layer) for layer in source.layers}
+        statistics = model_weight_statistics(source)
     budgets = {width: allocate_ranks(source, statistics, width) for width in widths}
     layers = []
     for index, layer in enumerate(source.layers):

@@ -107,7 +107,7 @@ def _rotary(source: SourceModel, options: CompressOptions, texts: list[str] | No
         calibrated_statistics,
         convert_rotary_weights,
         layer_width,
-        weight_statistics,
+        model_weight_statistics,
         write_rotary_config,
     )
 
@@ -116,10 +116,7 @@ def _rotary(source: SourceModel, options: CompressOptions, texts: list[str] | No
     if texts is not None:
         statistics, calibrations, calibration = calibrated_statistics(source, options, texts, progress)
     else:
-        statistics = {}
-        for layer in source.layers:
-            source.reader.release_all_but(layer.anchor)  # one input shard mapped at a time, as when streaming
-            statistics[layer.prefix] = weight_statistics(source, layer)
+        statistics = model_weight_statistics(source)
     ranks = allocate_ranks(source, statistics, width)
     choice = {"mode": "key-cache budget", "numbers_per_token_and_layer": width,
               "share_of_key_cache": round(width / max(layer.full_rank for layer in source.layers), 4),

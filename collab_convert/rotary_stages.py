@@ -23,6 +23,7 @@ from .decompose.rotary import (
     allocate,
     fit_shared_key,
     key_spectrum,
+    projection_tokens,
     statistics_of,
 )
 from .errors import BadInputError
@@ -98,15 +99,24 @@ def weight_statistics(source: SourceModel, layer: AttentionLayer) -> KeyStatisti
     weights = source.family.layout.read(source.reader, layer)
     geometry = geometry_of(layer)
     scale, shift = _input_norm(source, layer)
-    queries = _tokens(*_through_norm(weights.query_weight, weights.query_bias, scale, shift), geometry.num_heads,
-                      geometry.head_dim)
-    keys = _tokens(*_through_norm(weights.key_weight, weights.key_bias, scale, shift), geometry.kv_heads,
-                   geometry.head_dim)
+    d = geometry.head_dim
+    queries = projection_tokens(*_through_norm(weights.query_weight, weights.query_bias, scale, shift),
+                                geometry.num_heads, d)
+    keys = projection_tokens(*_through_norm(weights.key_weight, weights.key_bias, scale, shift), geometry.kv_heads, d)
     layout = source.family.layout
     if layout.query_norm and key_norm(source):
         queries = _normalised(queries, _norm_scale(source, layer, layout.query_norm), layout.norm_over_heads)
         keys = _normalised(keys, _norm_scale(source, layer, layout.key_norm), layout.norm_over_heads)
     return statistics_of(queries, keys, geometry)
+
+
+def model_weight_statistics(source: SourceModel) -> dict[str, KeyStatistics]:
+    """Weight-only statistics of every layer, one input shard mapped at a time, as when streaming."""
+    statistics = {}
+    for layer in source.layers:
+        source.reader.release_all_but(layer.anchor)
+        statistics[layer.prefix] = weight_statistics(source, layer)
+    return statistics
 
 
 def _input_norm(source: SourceModel, layer: AttentionLayer):
@@ -116,11 +126,15 @@ def _input_norm(source: SourceModel, layer: AttentionLayer):
     names = source.family.layout.input_norm_names(layer.prefix)
     if names is None or names[0] not in source.reader:
         return None, None
-    scale = source.reader.get(names[0]).double()
-    if str(source.config.get("model_type", "")).startswith("gemma"):
-        scale = scale + 1  # Gemma's RMSNorm multiplies by (1 + weight)
+    scale = _effective_scale(source, source.reader.get(names[0]))
     shift = source.reader.get(names[1]).double() if names[1] in source.reader else None
     return scale, shift
+
+
+def _effective_scale(source: SourceModel, weight: torch.Tensor) -> torch.Tensor:
+    """What an RMSNorm's weight multiplies by: Gemma's multiplies by (1 + weight), as its model_type says."""
+    scale = weight.double()
+    return scale + 1 if str(source.config.get("model_type", "")).startswith("gemma") else scale
 
 
 def _through_norm(weight: torch.Tensor, bias: torch.Tensor | None, scale, shift):
@@ -133,19 +147,11 @@ def _through_norm(weight: torch.Tensor, bias: torch.Tensor | None, scale, shift)
     return weight.double() * scale[None, :], bias
 
 
-def _tokens(weight: torch.Tensor, bias: torch.Tensor | None, heads: int, head_dim: int) -> torch.Tensor:
-    """Each input dimension's contribution (and the bias) as one token: (D (+1), heads, d)."""
-    rows = weight.double().T.reshape(weight.shape[1], heads, head_dim)
-    return rows if bias is None else torch.cat([rows, bias.double().reshape(1, heads, head_dim)])
-
-
 def _norm_scale(source: SourceModel, layer: AttentionLayer, norm: str) -> torch.Tensor | None:
     name = f"{layer.prefix}.{norm}.weight"
     if name not in source.reader:
         return None
-    scale = source.reader.get(name).double()
-    # Gemma's RMSNorm multiplies by (1 + weight); its config says so through model_type.
-    return scale + 1 if str(source.config.get("model_type", "")).startswith("gemma") else scale
+    return _effective_scale(source, source.reader.get(name))
 
 
 def _normalised(tokens: torch.Tensor, scale: torch.Tensor | None, over_heads: bool) -> torch.Tensor:

@@ -8,7 +8,7 @@ families normalise each head's query and key (Qwen3, Gemma3; Phi's optional Laye
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from ..errors import BadInputError
 from ..format import FUSED_QUERY, FUSED_VALUE, KEY_MIXING, PASS_CORE, QUERY_CORE, SHARED_KEY, SHARED_KEY_BIAS
 from ..format import HeadCounts
 from ..io.tensors import TensorReader, TensorSpec
-from .layouts import AttentionLayer, _split_error, finite
+from .layouts import AttentionLayer, SeparateProjections, _split_error, finite
 from ..decompose.costs import LayerShape
 
 
@@ -67,33 +67,24 @@ class RotaryProjections:
     # --- checkpoints -------------------------------------------------------------------------------------
     def find(self, reader: TensorReader, prefix: str, heads: HeadCounts, causal: bool,
              key_norm: bool = False) -> AttentionLayer:
-        if self.fused:
-            name = f"{prefix}.{self.fused}.weight"
-            shape = reader.spec(name).shape
-            kv = heads.num_heads if self.interleaved else heads.kv_heads
-            if len(shape) != 2 or shape[0] % (heads.num_heads + 2 * kv):
-                raise _split_error(name, shape, heads)
-            head_dim, key_rows = shape[0] // (heads.num_heads + 2 * kv), None
-            replaced = [name, *([f"{prefix}.{self.fused}.bias"] if f"{prefix}.{self.fused}.bias" in reader else [])]
-            anchor, d_in = name, shape[1]
-        else:
-            query, key = f"{prefix}.{self.query}.weight", f"{prefix}.{self.key}.weight"
-            if key not in reader:
-                raise BadInputError(f"{prefix} has a query projection but no key projection ({key})")
-            query_shape, key_shape = reader.spec(query).shape, reader.spec(key).shape
-            if len(query_shape) != 2 or query_shape[0] == 0 or query_shape[0] % heads.num_heads:
-                raise _split_error(query, query_shape, heads)
-            head_dim, key_rows = query_shape[0] // heads.num_heads, key_shape[0]
-            if len(key_shape) != 2 or key_rows % head_dim or heads.num_heads % max(key_rows // head_dim, 1):
-                raise _split_error(key, key_shape, heads)
-            kv = key_rows // head_dim
-            bias = f"{prefix}.{self.key}.bias"
+        query_bias = f"{prefix}.{self.query}.bias" in reader
+        if not self.fused:
+            # The same tensors and checks as separate query/key projections; only what the form replaces differs.
+            layer = SeparateProjections(self.query, self.key).find(reader, prefix, heads, causal)
+            key, bias = f"{prefix}.{self.key}.weight", f"{prefix}.{self.key}.bias"
             replaced = [] if key_norm else [key, *([bias] if bias in reader else [])]
-            anchor, d_in = key, query_shape[1]
-        has_bias = any(name.endswith(".bias") for name in replaced) or f"{prefix}.{self.query}.bias" in reader
+            return replace(layer, anchor=key, replaced=replaced,
+                           has_query_bias=query_bias or any(n.endswith(".bias") for n in replaced))
+        name, bias = f"{prefix}.{self.fused}.weight", f"{prefix}.{self.fused}.bias"
+        shape = reader.spec(name).shape
+        kv = heads.num_heads if self.interleaved else heads.kv_heads
+        if len(shape) != 2 or shape[0] % (heads.num_heads + 2 * kv):
+            raise _split_error(name, shape, heads)
+        replaced = [name, *([bias] if bias in reader else [])]
         return AttentionLayer(
-            prefix=prefix, shape=LayerShape(d_in, heads.num_heads, head_dim), anchor=anchor, replaced=replaced,
-            has_query_bias=has_bias, kv_heads=kv, key_input_dim=d_in, causal=causal,
+            prefix=prefix, shape=LayerShape(shape[1], heads.num_heads, shape[0] // (heads.num_heads + 2 * kv)),
+            anchor=name, replaced=replaced, has_query_bias=query_bias or bias in reader, kv_heads=kv,
+            key_input_dim=shape[1], causal=causal,
         )
 
     def read(self, reader: TensorReader, layer: AttentionLayer) -> RotaryWeights:

@@ -91,18 +91,18 @@ def statistics_of(queries: torch.Tensor, keys: torch.Tensor, geometry: RotaryGeo
     return KeyStatistics(key_pairs @ key_pairs.conj().transpose(1, 2), energy, centred.T @ centred, query_moment)
 
 
+def projection_tokens(weight: torch.Tensor, bias: torch.Tensor | None, heads: int, head_dim: int) -> torch.Tensor:
+    """A projection seen from unit-variance isotropic inputs: each input dimension's contribution is one token,
+    and the bias one more: (D (+1), heads, d)."""
+    rows = weight.double().T.reshape(weight.shape[1], heads, head_dim)
+    return rows if bias is None else torch.cat([rows, bias.double().reshape(1, heads, head_dim)])
+
+
 def weight_statistics(query_weight: torch.Tensor, query_bias: torch.Tensor | None, key_weight: torch.Tensor,
                       key_bias: torch.Tensor | None, geometry: RotaryGeometry) -> KeyStatistics:
-    """Statistics from the projections alone, for unit-variance isotropic inputs: each weight row's input
-    dimensions become tokens, and the biases one more token."""
-    def tokens(weight, bias, heads):
-        rows = weight.double().T.reshape(weight.shape[1], heads, geometry.head_dim)
-        if bias is None:
-            return rows
-        return torch.cat([rows, bias.double().reshape(1, heads, geometry.head_dim)])
-
-    return statistics_of(tokens(query_weight, query_bias, geometry.num_heads),
-                         tokens(key_weight, key_bias, geometry.kv_heads), geometry)
+    """Statistics from the projections alone, for unit-variance isotropic inputs."""
+    return statistics_of(projection_tokens(query_weight, query_bias, geometry.num_heads, geometry.head_dim),
+                         projection_tokens(key_weight, key_bias, geometry.kv_heads, geometry.head_dim), geometry)
 
 
 @dataclass
