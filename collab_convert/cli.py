@@ -29,6 +29,7 @@ from rich.table import Table
 
 from .errors import BadInputError
 from .options import AnalyzeOptions, CompressOptions
+from .progress import stage_of
 
 EXIT_CODES = """Exit codes: 0 success, 1 a threshold failed, 2 usage error, 3 bad input, 130 interrupted."""
 
@@ -89,9 +90,10 @@ def _run_with_progress(function, *args, show: bool = True, **kwargs):
     with bar:
 
         def progress(what: str, done: int, total: int) -> None:
-            if what not in tasks:
-                tasks[what] = bar.add_task(what, total=total)
-            bar.update(tasks[what], completed=done)
+            stage = stage_of(what)  # one bar per stage; its changing detail goes into the description
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(what, total=total)
+            bar.update(tasks[stage], completed=done, total=total, description=what)
 
         return function(*args, progress=progress, **kwargs)
 

@@ -19,7 +19,7 @@ import torch
 from .architectures.source import SourceModel, open_model
 from .io.folders import StagedOutput, copy_non_weight_files
 from .options import CompressOptions
-from .progress import Progress, no_progress
+from .progress import Progress, StageClock, no_progress
 from .results import CompressPlan, CompressResult
 from .stages import (
     FinishedLayers,
@@ -52,6 +52,7 @@ def _check(source: SourceModel, options: CompressOptions, ranks: dict[str, int] 
 def compress(model: str, options: CompressOptions, progress: Progress = no_progress) -> CompressResult:
     """Re-parametrize every attention layer into collaborative form and write a complete checkpoint."""
     started = time.perf_counter()
+    progress = StageClock(progress)  # the report's seconds per stage are the stages the progress showed
     torch.manual_seed(options.seed)
     progress("opening the model", 0, 1)
     source = open_model(model)
@@ -90,7 +91,7 @@ def compress(model: str, options: CompressOptions, progress: Progress = no_progr
                 result.fidelity = estimator.measured(staged.folder)
                 progress("measuring fidelity", 1, 1)
             progress("writing reports and plots", 0, 1)
-            files += ["config.json"] + _write_reports(result, source, staged.folder, started, options.plots)
+            files += ["config.json"] + _write_reports(result, source, staged.folder, started, options.plots, progress)
             progress("writing reports and plots", 1, 1)
             result.files = sorted(files)
             staged.commit()
@@ -171,7 +172,7 @@ def choose_ranks(source: SourceModel, options: CompressOptions, metrics, estimat
 
 
 def _write_reports(result: CompressResult, source: SourceModel, folder: Path, started: float,
-                   plots: bool = True) -> list[str]:
+                   plots: bool, clock: StageClock) -> list[str]:
     from .report.card import CardSource, write_model_card
     from .report.reports import write_reports
 
@@ -181,5 +182,6 @@ def _write_reports(result: CompressResult, source: SourceModel, folder: Path, st
 
         files = write_plots(result, folder)
     result.seconds = time.perf_counter() - started
+    result.stage_seconds = clock.stop()  # the reports themselves take milliseconds: not counted
     card = CardSource.of(result.model, source.folder, source.config)
     return files + write_reports(result, folder) + write_model_card(result, card, folder)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .decompose.methods import METHODS
 
 DEFAULT_METHOD = "tucker-cp-als"
+DEFAULT_CALIBRATION_TOKENS = 131072  # 512 texts of 256 tokens: second moments of a 4096-wide layer settle well before
 
 
 class _ModelInputs(BaseModel):
@@ -29,6 +30,11 @@ class _ModelInputs(BaseModel):
     )
     calibration_samples: int = Field(512, ge=1, description="Examples to read from --calibration at most.")
     calibration_max_length: int = Field(128, ge=2, description="Tokens per calibration example at most.")
+    # The cost of calibrating grows with the tokens it runs, not with how many texts or how long they are.
+    calibration_tokens: int = Field(
+        DEFAULT_CALIBRATION_TOKENS, ge=2,
+        description="Calibration tokens in all at most: texts are read in order until this many.",
+    )
     # compress --rank auto: the smallest rank whose measured embedding cosine reaches it (0.99 unless given),
     # on held-out calibration lines or built-in sentences; analyze names that rank.
     target_cosine: float | None = Field(

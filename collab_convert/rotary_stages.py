@@ -41,7 +41,7 @@ from .format import (
 )
 from .io.tensors import parse_size
 from .options import CompressOptions
-from .progress import Progress
+from .progress import DETAIL, Progress
 from .results import LayerReport, rounded
 from .stages import stream_weights
 
@@ -173,14 +173,17 @@ def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: 
     layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads))
               for layer in source.layers}
     keep = min(options.refine_samples, ROTARY_REFINE_SAMPLES) if options.refine_steps else 0
-    calibrations = collect_rotary_statistics(source.folder, source.family, layers, texts,
-                                             options.calibration_max_length, progress, keep_samples=keep)
-    refinement = (f"up to {options.refine_steps} Adam steps per layer on the causal attention KL, each on 8 of "
+    calibrations, batches = collect_rotary_statistics(source.folder, source.family, layers, texts,
+                                                      options.calibration_max_length, progress, keep_samples=keep,
+                                                      token_budget=options.calibration_tokens)
+    refinement = (f"up to {options.refine_steps} Adam steps per layer on the error of the attention output (through "
+                  f"the output projection; causal attention KL reported), each on 8 of "
                   f"{min(keep, len(texts))} sequences and 32 query positions in each, stopped and chosen on a "
                   "held-out tenth of them") if keep else "off"
     calibration = {
         "source": str(options.calibration),
-        "examples": len(texts),
+        "examples": batches.texts,
+        "tokens": batches.tokens,
         "max_length": options.calibration_max_length,
         "objective": "score energy on the calibration tokens: key second moments per frequency, weighted by "
                      "the energy of the queries that read them",
@@ -217,7 +220,10 @@ def convert_rotary_weights(source: SourceModel, options: CompressOptions, folder
                                    layer.shape.head_dim - layer.rotary_dim, normed)
 
     def fit(layer: AttentionLayer):
+        index = source.layers.index(layer)
         calibration = calibrations[layer.prefix] if calibrations else None
+        stage = "refining" if calibration is not None and calibration.samples and options.refine_steps else "fitting"
+        progress(f"{stage}{DETAIL}layer {index + 1}/{len(source.layers)}", index, len(source.layers))
         return _fit_layer(source, layer, ranks[layer.prefix], statistics[layer.prefix], normed, calibration,
                           options)
 

@@ -22,7 +22,7 @@ from .format import FormatConfig, HeadCounts, collaborative_tensors, write_confi
 from .io.folders import check_output
 from .io.tensors import ShardWriter, TensorSpec, parse_size
 from .options import CompressOptions
-from .progress import Progress
+from .progress import DETAIL, Progress
 from .results import CompressPlan, LayerReport, rounded
 
 
@@ -100,9 +100,10 @@ def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], p
     from .integration.capture import collect_statistics
 
     refines = refine and bool(options.refine_steps) and source.family.refinable
-    metrics = collect_statistics(
+    metrics, batches = collect_statistics(
         source.folder, source.family, [layer.prefix for layer in source.layers], texts,
         options.calibration_max_length, progress, keep_samples=options.refine_samples if refines else 0,
+        token_budget=options.calibration_tokens,
     )
     if refines:
         refinement = (f"up to {options.refine_steps} Adam steps per layer on the attention KL, each on 8 of "
@@ -114,7 +115,8 @@ def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], p
         refinement = f"not available for {source.family.name} (position bias or scaling)"
     calibration = {
         "source": str(options.calibration),
-        "examples": len(texts),
+        "examples": batches.texts,
+        "tokens": batches.tokens,
         "max_length": options.calibration_max_length,
         "objective": "logit error on the calibration inputs (keys centred per sequence)",
         "refinement": refinement,
@@ -145,14 +147,77 @@ def energy_ranks(source: SourceModel, options: CompressOptions, metrics) -> dict
 def convert_weights(source: SourceModel, options: CompressOptions, folder: Path, progress: Progress,
                      ranks: dict[str, int], metrics, finished: "FinishedLayers | None" = None):
     """Every tensor to the output in input order; at each attention layer, its collaborative tensors (fitted
-    there) in place of the ones they replace."""
+    there) in place of the ones they replace. With refinement, every layer is fitted first and the refinement
+    steps are shared out by each layer's attention error (`refinement_steps`)."""
+    fits, steps = {}, {}
+    if metrics and options.refine_steps and any(m.query_samples for m in metrics.values()):
+        fits, steps = refinement_steps(source, options, ranks, metrics, progress, finished)
+    labels = {layer.prefix: f"layer {index + 1}/{len(source.layers)}" for index, layer in enumerate(source.layers)}
+
     def specs(layer: AttentionLayer) -> list[TensorSpec]:
         return source.family.layout.output_specs(source.reader, layer, ranks[layer.prefix])
 
     def fit(layer: AttentionLayer):
-        return _fit_layer(source, layer, options, ranks[layer.prefix], metrics[layer.prefix] if metrics else None)
+        started = time.perf_counter()
+        rank, metric = ranks[layer.prefix], metrics[layer.prefix] if metrics else None
+        fitted = fits.pop(layer.prefix, None) or _fit(source, layer, options, rank, metric, progress, labels)
+        projections, layer_fit, bias = fitted
+        refinement = None
+        if steps.get(layer.prefix) and rank < layer.shape.key_dim:
+            refinement = _refine(projections, layer, layer_fit, bias, metric, steps, labels, options.seed, progress)
+            layer_fit.factors, bias = refinement.pop("factors"), refinement.pop("content_bias")
+            layer_fit.relative_error = relative_error(projections.products(layer.shape.num_heads), layer_fit.factors)
+        tensors = collaborative_tensors(layer.prefix, layer_fit.factors.shared_query, layer_fit.factors.shared_key,
+                                        layer_fit.factors.mixing, bias, projections.query_weight.dtype)
+        tensors.update(projections.kept)
+        return _layer_report(layer, rank, layer_fit, refinement, time.perf_counter() - started), tensors
 
-    return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit)
+    return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished)
+
+
+def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[str, int], metrics, progress: Progress,
+                     finished: "FinishedLayers | None" = None):
+    """(fits by layer, refinement steps by layer): each layer fitted, its held-out attention KL measured, and
+    `refine_steps` x layers steps shared out in proportion to those KLs (decompose/refinement.share_steps). A
+    resumed run reuses the split it saved, so its output stays byte-identical; its layers are fitted again as
+    they come."""
+    from .decompose.refinement import AttentionTarget, share_steps
+
+    saved = finished.load_plan() if finished else None
+    if saved is not None:
+        return {}, saved
+    labels = {layer.prefix: f"layer {index + 1}/{len(source.layers)}" for index, layer in enumerate(source.layers)}
+    fits, losses = {}, []
+    for layer in source.layers:
+        rank, metric = ranks[layer.prefix], metrics[layer.prefix]
+        fits[layer.prefix] = projections, fit, bias = _fit(source, layer, options, rank, metric, progress, labels)
+        if rank >= layer.shape.key_dim or not metric.query_samples:
+            losses.append(0.0)
+            continue
+        target = AttentionTarget(metric.query_samples, metric.key_samples, projections.query_weight,
+                                 projections.query_bias, projections.key_weight, layer.shape.num_heads,
+                                 layer.shape.head_dim**-0.5, layer.causal)
+        losses.append(target.held_out_kl((fit.factors.shared_query, fit.factors.shared_key, fit.factors.mixing, bias)))
+    steps = dict(zip(fits, share_steps(losses, options.refine_steps * len(source.layers)), strict=True))
+    if finished:
+        finished.save_plan(steps)
+    return fits, steps
+
+
+def _fit(source: SourceModel, layer: AttentionLayer, options: CompressOptions, rank: int, metric, progress: Progress,
+         labels: dict[str, str]):
+    """(projections, fit, content bias) of one layer, before any refinement."""
+    progress(f"fitting{DETAIL}{labels[layer.prefix]}", list(labels).index(layer.prefix), len(labels))
+    projections = source.read_projections(layer)
+    products = projections.products(layer.shape.num_heads)
+    fit = method_named(options.method).fit(FitRequest(
+        products, rank, options.max_iterations, options.tolerance, options.device, options.seed,
+        query_metric=metric.query if metric else None, key_metric=metric.key if metric else None,
+    ))
+    bias = content_bias(projections.key_weight, projections.query_bias, layer.shape.num_heads)
+    if fit.content_bias_correction is not None:
+        bias = bias + fit.content_bias_correction
+    return projections, fit, bias
 
 
 class FinishedLayers:
@@ -183,6 +248,23 @@ class FinishedLayers:
         except Exception:  # noqa: BLE001 - a half-saved layer (killed while saving) is fitted again
             return None
 
+    def load_plan(self) -> dict[str, int] | None:
+        """The refinement steps per layer a killed run had chosen, if it got that far."""
+        path = self.folder / "refinement_steps.json" if self.folder else None
+        if path is None or not path.is_file():
+            return None
+        try:
+            return {str(k): int(v) for k, v in json.loads(path.read_text(encoding="utf-8")).items()}
+        except (ValueError, AttributeError):
+            return None
+
+    def save_plan(self, steps: dict[str, int]) -> None:
+        if self.folder is not None:
+            path = self.folder / "refinement_steps.json"
+            partial = path.with_suffix(".partial")
+            partial.write_text(json.dumps(steps), encoding="utf-8")
+            partial.replace(path)
+
     def put(self, layer: AttentionLayer, report: LayerReport, tensors: dict[str, torch.Tensor]) -> None:
         if self.folder is None:
             return
@@ -211,60 +293,53 @@ def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progr
             specs.append(source.reader.spec(name))
     writer = ShardWriter(folder, specs, max_shard_size)
     reader, reports = source.reader, []
-    for name in reader.names():
+    names = reader.names()
+    for index, name in enumerate(names):
         reader.release_all_but(name)  # keep one input shard mapped at a time
         if name in by_anchor:
-            progress("decomposing", len(reports), len(source.layers))
             layer = by_anchor[name]
             done = finished.get(layer) if finished else None
             report, tensors = done if done else fit(layer)
             if finished and not done:
                 finished.put(layer, report, tensors)
             reports.append(report)
+            progress("writing", index, len(names))
             for new_name, tensor in tensors.items():
                 writer.add(new_name, tensor)
+        elif index % 16 == 0:
+            progress("writing", index, len(names))
         if name not in replaced:
             location = reader.byte_range(name)
             if location is None:
                 writer.add(name, reader.get(name))
             else:
                 writer.copy_bytes(reader.spec(name), location)
-    progress("decomposing", len(reports), len(source.layers))
-    return reports, writer.finish()
+    progress("writing", len(names), len(names))
+    files = writer.finish()
+    progress("writing", len(names), len(names))
+    return reports, files
 
 
-def _fit_layer(source: SourceModel, layer: AttentionLayer, options: CompressOptions, rank: int, metric):
-    started = time.perf_counter()
-    projections = source.read_projections(layer)
-    products = projections.products(layer.shape.num_heads)
-    fit = method_named(options.method).fit(FitRequest(
-        products, rank, options.max_iterations, options.tolerance, options.device, options.seed,
-        query_metric=metric.query if metric else None, key_metric=metric.key if metric else None,
-    ))
-    bias = content_bias(projections.key_weight, projections.query_bias, layer.shape.num_heads)
-    if fit.content_bias_correction is not None:
-        bias = bias + fit.content_bias_correction
-    factors, refinement = fit.factors, None
-    if metric is not None and metric.query_samples and options.refine_steps and rank < layer.shape.key_dim:
-        factors, bias, refinement = _refine(projections, layer, fit, bias, metric, options.refine_steps, options.seed)
-        fit.relative_error = relative_error(products, factors)
-    tensors = collaborative_tensors(layer.prefix, factors.shared_query, factors.shared_key, factors.mixing, bias,
-                                    projections.query_weight.dtype)
-    tensors.update(projections.kept)
-    return _layer_report(layer, rank, fit, refinement, time.perf_counter() - started), tensors
-
-
-def _refine(projections: Projections, layer: AttentionLayer, fit: LayerFit, bias, metric, steps: int, seed: int):
-    """Refine the fitted factors against the original layer's attention on the calibration sequences."""
+def _refine(projections: Projections, layer: AttentionLayer, fit: LayerFit, bias, metric, steps: dict[str, int],
+            labels: dict[str, str], seed: int, progress: Progress) -> dict[str, Any]:
+    """Refine one layer's fitted factors against the original layer's attention on the calibration sequences,
+    with the steps its error earned; progress shows the held-out KL as it falls."""
     from .decompose.refinement import refine_attention
 
+    total, before = sum(steps.values()), sum(steps[p] for p in list(steps)[: list(steps).index(layer.prefix)])
+    label = labels[layer.prefix]
+
+    def on_check(step: int, loss: float) -> None:
+        progress(f"refining{DETAIL}{label}, held-out KL {loss:.4f}", before + step, total)
+
+    progress(f"refining{DETAIL}{label}", before, total)
     refined = refine_attention(
         metric.query_samples, metric.key_samples, projections.query_weight, projections.query_bias,
         projections.key_weight, fit.factors, bias, layer.shape.num_heads, layer.shape.head_dim**-0.5,
-        causal=layer.causal, steps=steps, seed=seed,
+        causal=layer.causal, steps=steps[layer.prefix], seed=seed, on_check=on_check,
     )
-    report = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps}
-    return refined.factors, refined.content_bias.to(bias.dtype), report
+    return {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
+            "factors": refined.factors, "content_bias": refined.content_bias.to(bias.dtype)}
 
 
 def _layer_report(layer: AttentionLayer, rank: int, fit: LayerFit, refinement: dict[str, Any] | None,

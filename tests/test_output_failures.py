@@ -68,7 +68,7 @@ from pathlib import Path
 from collab_convert import CompressOptions, compress
 
 def progress(stage, done, total):
-    if stage == "decomposing" and done == 1:
+    if stage.startswith(("fitting", "refining")) and done == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # as a scheduler or the OOM killer would
 
 compress(sys.argv[1], CompressOptions(key_cache=0.5, output=Path(sys.argv[2]), calibration=Path(sys.argv[3]),

@@ -14,6 +14,8 @@ import torch
 
 from .products import CollaborativeFactors
 
+LEARNING_RATE = 4e-3  # Adam's step, as a share of each tensor's typical entry
+
 
 def _log_softmax(scores: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(scores.masked_fill(~key_mask, float("-inf")), dim=-1)
@@ -102,11 +104,12 @@ class _Sequence:
 def _sequences(queries, keys, query_weight, query_bias, key_weight, heads: int) -> list[_Sequence]:
     d_k = query_weight.shape[0] // heads
     bias = query_bias.float() if query_bias is not None else 0.0
-    return [
-        _Sequence(x, y, (x @ query_weight.float().T + bias).view(-1, heads, d_k),
-                  (y @ key_weight.float().T).view(-1, heads, d_k))
-        for x, y in zip(queries, keys)
-    ]
+    pool = []
+    for x, y in zip(queries, keys):
+        x, y = x.float(), (x.float() if y is x else y.float())  # samples may be kept in half precision
+        pool.append(_Sequence(x, y, (x @ query_weight.float().T + bias).view(-1, heads, d_k),
+                              (y @ key_weight.float().T).view(-1, heads, d_k)))
+    return pool
 
 
 @torch.no_grad()
@@ -128,6 +131,34 @@ def _sampled_batch(chosen: list[_Sequence], rows: int, scaling: float, causal: b
     return _Batch(x, y, key_mask, x_mask[:, None, :].expand(-1, heads, -1), target, target.exp())
 
 
+class AttentionTarget:
+    """The original layer's attention on calibration sequences: what a refinement reproduces. A held-out slice
+    of the sequences (a tenth, when there are at least ten) is kept apart to judge a refinement by."""
+
+    def __init__(self, queries: list[torch.Tensor], keys: list[torch.Tensor], query_weight: torch.Tensor,
+                 query_bias: torch.Tensor | None, key_weight: torch.Tensor, num_heads: int, scaling: float,
+                 causal: bool = False):
+        pool = _sequences(queries, keys, query_weight, query_bias, key_weight, num_heads)
+        held = max(len(pool) // 10, 1) if len(pool) >= 10 else 0
+        self.train, check = (pool[:-held], pool[-held:]) if held else (pool, pool)
+        self.check_batches = _original_attention([s.x for s in check], [s.y for s in check], query_weight,
+                                                 query_bias, key_weight, num_heads, scaling, causal)
+        self.check_rows = sum(int(b.valid.sum()) for b in self.check_batches)
+        self.scaling, self.causal = scaling, causal
+
+    @torch.no_grad()
+    def held_out_kl(self, parameters) -> float:
+        """Mean KL(original || collaborative) per attention row of the held-out sequences; `parameters`:
+        (shared_query, shared_key, mixing, content_bias)."""
+        parameters = [t.float() for t in parameters]
+        return float(sum(_collaborative_kl(parameters, b, self.scaling, self.check_rows) for b in self.check_batches))
+
+    def minibatch_kl(self, parameters, generator, sequences: int, rows: int) -> torch.Tensor:
+        chosen = [self.train[i] for i in torch.randperm(len(self.train), generator=generator)[:sequences]]
+        batch = _sampled_batch(chosen, rows, self.scaling, self.causal, generator)
+        return _collaborative_kl(parameters, batch, self.scaling, int(batch.valid.sum()))
+
+
 def refine_attention(
     queries: list[torch.Tensor],
     keys: list[torch.Tensor],
@@ -140,40 +171,45 @@ def refine_attention(
     scaling: float,
     causal: bool = False,
     steps: int = 200,
-    learning_rate: float = 4e-3,
+    learning_rate: float = LEARNING_RATE,
     batch_sequences: int = 8,
     query_rows: int = 32,
     seed: int = 0,
+    on_check=None,
 ) -> RefineResult:
     """Adam on the mean KL(original || collaborative) of every head's attention, stochastically: each step
     sees `batch_sequences` sequences and `query_rows` sampled query positions in each, so a step costs the same
-    whatever the length and number of the calibration sequences. A held-out slice of the sequences (a tenth,
-    when there are at least ten) decides when to stop (no gain in five checks) and which parameters to keep;
-    the start counts, so the result is never worse on it than the fit it started from."""
-    pool = _sequences(queries, keys, query_weight, query_bias, key_weight, num_heads)
-    held = max(len(pool) // 10, 1) if len(pool) >= 10 else 0
-    train, check = (pool[:-held], pool[-held:]) if held else (pool, pool)
-    check_batches = _original_attention([s.x for s in check], [s.y for s in check], query_weight, query_bias,
-                                        key_weight, num_heads, scaling, causal)
-    check_rows = sum(int(b.valid.sum()) for b in check_batches)
+    whatever the length and number of the calibration sequences. The held-out slice decides when to stop (no
+    gain in five checks) and which parameters to keep; the start counts, so the result is never worse on it
+    than the fit it started from. `on_check(step, loss)` hears each held-out check."""
+    target = AttentionTarget(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal)
     start = (factors.shared_query, factors.shared_key, factors.mixing, content_bias)
     parameters = [t.float().clone().requires_grad_(True) for t in start]
-
-    def held_out_loss() -> float:
-        with torch.no_grad():
-            return float(sum(_collaborative_kl(parameters, b, scaling, check_rows) for b in check_batches))
-
     generator = torch.Generator().manual_seed(seed)
-
-    def minibatch_loss() -> torch.Tensor:
-        chosen = [train[i] for i in torch.randperm(len(train), generator=generator)[:batch_sequences]]
-        batch = _sampled_batch(chosen, query_rows, scaling, causal, generator)
-        return _collaborative_kl(parameters, batch, scaling, int(batch.valid.sum()))
-
-    best, initial, best_loss, taken = adam_with_held_out(parameters, minibatch_loss, held_out_loss, steps, learning_rate)
+    best, initial, best_loss, taken = adam_with_held_out(
+        parameters, lambda: target.minibatch_kl(parameters, generator, batch_sequences, query_rows),
+        lambda: target.held_out_kl(parameters), steps, learning_rate, on_check=on_check)
     dtype = factors.shared_query.dtype
     refined = CollaborativeFactors(*(b.to(dtype) for b in best[:3]))
     return RefineResult(refined, best[3].to(content_bias.dtype), initial, best_loss, taken)
+
+
+def share_steps(losses: list[float], total: int, most: float = 3.0, least: int = 20) -> list[int]:
+    """Split `total` refinement steps over layers in proportion to each one's loss before refinement: the
+    steps go where the error is. No layer gets more than `most` times the even share; a layer with any loss
+    gets at least `least` (one held-out check)."""
+    if not losses:
+        return []
+    even = total / len(losses)
+    weights = [max(loss, 0.0) for loss in losses]
+    if sum(weights) <= 0:
+        return [round(even)] * len(losses)
+    shares = [min(total * w / sum(weights), most * even) for w in weights]
+    spare = total - sum(shares)  # what the cap took from the largest, spread over the rest by loss
+    room = [w if share < most * even else 0.0 for w, share in zip(weights, shares)]
+    if spare > 0 and sum(room) > 0:
+        shares = [min(share + spare * r / sum(room), most * even) for share, r in zip(shares, room)]
+    return [max(int(round(share)), least if w > 0 else 0) for share, w in zip(shares, weights)]
 
 
 @dataclass
@@ -184,7 +220,7 @@ class _Progress:
 
 
 def adam_with_held_out(parameters: list[torch.Tensor], minibatch_loss, held_out_loss, steps: int,
-                       learning_rate: float, check_every: int = 20, patience: int = 5):
+                       learning_rate: float, check_every: int = 20, patience: int = 5, on_check=None):
     """Adam on `minibatch_loss()`, checked on `held_out_loss()` every `check_every` steps: stops after
     `patience` checks without a gain and returns (the best parameters seen, the start's held-out loss, the best,
     steps taken). The start counts as a candidate, so the result is never worse on the held-out data.
@@ -201,6 +237,8 @@ def adam_with_held_out(parameters: list[torch.Tensor], minibatch_loss, held_out_
         optimizer.step()
         if taken % check_every == 0 or taken == steps:
             loss = held_out_loss()
+            if on_check is not None:
+                on_check(taken, loss)
             if loss < state.best_loss:
                 state = _Progress([p.detach().clone() for p in parameters], loss)
             else:

@@ -1,9 +1,11 @@
 """Statistics of real attention inputs: the original model run on calibration text.
 
 For every attention layer the query-side inputs x and key-side inputs y are caught on their way into the
-query and key projections (forward pre-hooks), one sequence at a time so no padding token is counted. What
-is kept is small and enough for a calibrated fit: the mean and covariance of x, and the covariance of y
-around each sequence's own mean (what a softmax over keys can see).
+query and key projections (forward pre-hooks). The texts run in batches of similar length, padded on the
+right; the hooks cut each sequence back to its real tokens, so no padding token is ever counted. What is kept
+is small and enough for a calibrated fit: the mean and covariance of x, and the covariance of y around each
+sequence's own mean (what a softmax over keys can see). The cost is bounded by a token budget, not by the
+number or length of the texts.
 """
 
 from __future__ import annotations
@@ -17,56 +19,132 @@ from ..decompose.calibrated import InputMetric
 from ..errors import BadInputError
 from ..modeling.collaborative import strip_prefix
 
+BATCH_TOKENS = 4096  # padded tokens per forward pass: the activations of one batch stay small
+BATCH_SEQUENCES = 64
+
 
 @dataclass
 class LayerCalibration:
     query: InputMetric
     key: InputMetric
-    query_samples: list  # per sequence (n, D) float32, for refinement
+    query_samples: list  # per sequence (n, D) float16, for refinement
     key_samples: list
 
 
 @dataclass
+class CalibrationBatches:
+    """Calibration texts as token batches: each (input_ids, attention_mask, lengths), right-padded, sequences of
+    similar length together; `tokens`: real tokens in all, at most the budget."""
+
+    batches: list
+    tokens: int
+    texts: int
+
+
+def token_batches(tokenizer, texts: list[str], max_length: int, token_budget: int | None) -> CalibrationBatches:
+    """Tokenise `texts` (each cut at `max_length` tokens), keep them in order until `token_budget` real tokens
+    (the last one cut to fit), and group them into length-sorted batches of at most BATCH_TOKENS padded tokens."""
+    encoded = tokenizer(texts, truncation=True, max_length=max_length, padding=False)["input_ids"]
+    kept, tokens = [], 0
+    for ids in encoded:
+        if token_budget is not None and tokens + len(ids) > token_budget:
+            ids = ids[: token_budget - tokens]
+        if len(ids) < 1:
+            break
+        kept.append(ids)
+        tokens += len(ids)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    order = sorted(range(len(kept)), key=lambda i: len(kept[i]))
+    batches, start = [], 0
+    while start < len(order):
+        end = start + 1
+        # sorted ascending: the last sequence of a batch is its longest, so padded size = count x its length
+        while (end < len(order) and end - start < BATCH_SEQUENCES
+               and (end + 1 - start) * len(kept[order[end]]) <= BATCH_TOKENS):
+            end += 1
+        chosen = [kept[i] for i in order[start:end]]
+        width = max(len(ids) for ids in chosen)
+        input_ids = torch.full((len(chosen), width), pad, dtype=torch.long)
+        attention_mask = torch.zeros((len(chosen), width), dtype=torch.long)
+        for row, ids in enumerate(chosen):
+            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, : len(ids)] = 1
+        batches.append((input_ids, attention_mask, [len(ids) for ids in chosen]))
+        start = end
+    return CalibrationBatches(batches, tokens, len(kept))
+
+
+class _CurrentBatch:
+    """The real length of each sequence in the batch running now, for hooks to cut the padding off."""
+
+    def __init__(self):
+        self.lengths: list[int] = []
+
+    def sequences(self, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """(batch, n, ...) right-padded -> each sequence's real rows."""
+        return [hidden[row, :length] for row, length in enumerate(self.lengths)]
+
+
+@dataclass
 class _Moments:
+    """Running sums of one layer's inputs. Rows are shifted by the first batch's mean before they are summed,
+    which leaves the covariance unchanged and keeps E[xx^T] - mu mu^T from cancelling away its small
+    directions; each batch's product runs in float32 (one GEMM), the sums are kept in float64."""
+
+    keep: int = 0  # raw sequences to keep for refinement
+    query_shift: torch.Tensor | None = None
     query_sum: torch.Tensor | None = None
     query_outer: torch.Tensor | None = None
     query_count: int = 0
     key_outer: torch.Tensor | None = None
     key_count: int = 0
-    keep: int = 0  # raw sequences to keep for refinement
     query_samples: list = field(default_factory=list)
     key_samples: list = field(default_factory=list)
+    _last_query: list | None = None  # the inputs the query side saw last, to share them with the key side
 
-    def add_query(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1])
-        if len(self.query_samples) < self.keep:
-            self.query_samples.append(x.float().clone())
-        x = x.double()
-        if self.query_sum is None:
-            self.query_sum = x.sum(0)
-            self.query_outer = x.T @ x
-        else:
-            self.query_sum += x.sum(0)
-            self.query_outer += x.T @ x
-        self.query_count += x.shape[0]
+    def add_query(self, sequences: list[torch.Tensor]) -> None:
+        self._last_query = sequences
+        for x in sequences[: max(self.keep - len(self.query_samples), 0)]:
+            self.query_samples.append(x.half().clone())
+        rows = torch.cat(sequences).float()
+        if self.query_shift is None:
+            self.query_shift = rows.mean(0)
+            self.query_sum = torch.zeros(rows.shape[1], dtype=torch.float64)
+            self.query_outer = torch.zeros(rows.shape[1], rows.shape[1], dtype=torch.float64)
+        rows = rows - self.query_shift
+        self.query_sum += rows.sum(0).double()
+        self.query_outer += (rows.T @ rows).double()
+        self.query_count += rows.shape[0]
 
-    def add_key(self, y: torch.Tensor) -> None:
-        # one sequence per call (batch size 1): centre on this sequence's own mean
-        y = y.reshape(-1, y.shape[-1])
-        if len(self.key_samples) < self.keep:
-            self.key_samples.append(y.float().clone())
-        y = y.double()
-        centred = y - y.mean(0, keepdim=True)
-        outer = centred.T @ centred
+    def add_key(self, sequences: list[torch.Tensor]) -> None:
+        same = self._last_query is not None and all(
+            a.data_ptr() == b.data_ptr() and a.shape == b.shape for a, b in zip(sequences, self._last_query))
+        for index, y in enumerate(sequences[: max(self.keep - len(self.key_samples), 0)]):
+            # self-attention: the key side saw the very tensor the query side did; keep it once
+            self.key_samples.append(self.query_samples[len(self.key_samples)] if same and index < len(
+                self.query_samples) else y.half().clone())
+        # each sequence centred on its own mean: a shift shared by every key of a sequence is lost in softmax
+        centred = torch.cat([y.float() - y.float().mean(0, keepdim=True) for y in sequences])
+        outer = (centred.T @ centred).double()
         self.key_outer = outer if self.key_outer is None else self.key_outer + outer
-        self.key_count += max(y.shape[0] - 1, 0)
+        self.key_count += sum(max(y.shape[0] - 1, 0) for y in sequences)
 
     def result(self) -> LayerCalibration:
         mean = self.query_sum / self.query_count
         query_cov = self.query_outer / self.query_count - torch.outer(mean, mean)
         key_cov = self.key_outer / max(self.key_count, 1)
         key_metric = InputMetric(key_cov, torch.zeros(key_cov.shape[0], dtype=key_cov.dtype))
-        return LayerCalibration(InputMetric(query_cov, mean), key_metric, self.query_samples, self.key_samples)
+        return LayerCalibration(InputMetric(query_cov, mean + self.query_shift.double()), key_metric,
+                                self.query_samples, self.key_samples)
+
+
+def _tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as error:  # noqa: BLE001 - many ways for a tokenizer to be missing or broken
+        raise BadInputError(f"calibration needs the model's tokenizer, which could not be loaded: {error}") from None
 
 
 def collect_statistics(
@@ -77,30 +155,29 @@ def collect_statistics(
     max_length: int = 128,
     progress=None,
     keep_samples: int = 0,
-) -> dict[str, LayerCalibration]:
-    """Run the original model on `texts`; return input statistics (and up to `keep_samples` raw sequences)
-    for each attention prefix."""
-    from transformers import AutoModel, AutoTokenizer
+    token_budget: int | None = None,
+) -> tuple[dict[str, LayerCalibration], CalibrationBatches]:
+    """Run the original model on `texts` (at most `token_budget` tokens); return input statistics (and up to
+    `keep_samples` raw sequences) for each attention prefix, and the batches that ran."""
+    from transformers import AutoModel
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except Exception as error:  # noqa: BLE001 - many ways for a tokenizer to be missing or broken
-        raise BadInputError(f"calibration needs the model's tokenizer, which could not be loaded: {error}") from None
-    model = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+    batches = token_batches(_tokenizer(folder), texts, max_length, token_budget)
+    model = AutoModel.from_pretrained(folder).eval()
     moments = {p: _Moments(keep=keep_samples) for p in prefixes}
-    handles = _attach_hooks(model, family, moments)
+    current = _CurrentBatch()
+    handles = _attach_hooks(model, family, moments, current)
     try:
-        _run(model, tokenizer, texts, max_length, progress)
+        _run(model, batches, current, progress)
     finally:
         for handle in handles:
             handle.remove()
     missing = [p for p, m in moments.items() if m.query_count == 0 or m.key_outer is None]
     if missing:
         raise BadInputError(f"calibration never reached {missing[0]}")
-    return {p: m.result() for p, m in moments.items()}
+    return {p: m.result() for p, m in moments.items()}, batches
 
 
-def _attach_hooks(model, family, moments: dict[str, _Moments]) -> list:
+def _attach_hooks(model, family, moments: dict[str, _Moments], current: _CurrentBatch) -> list:
     """Forward pre-hooks where the family's layout says the query- and key-side inputs pass."""
     base = getattr(model, "base_model_prefix", None)
     wanted = {strip_prefix(p, base): p for p in moments}
@@ -111,32 +188,34 @@ def _attach_hooks(model, family, moments: dict[str, _Moments]) -> list:
             continue
         adders = {"query": moments[prefix].add_query, "key": moments[prefix].add_key}
         for point, sides in family.layout.hook_points(module):
-            handles.append(point.register_forward_pre_hook(_hook(*(adders[side] for side in sides))))
+            handles.append(point.register_forward_pre_hook(_hook(current, *(adders[side] for side in sides))))
     if not handles:
         raise BadInputError("no attention module of the model could be observed for calibration")
     return handles
 
 
 @torch.no_grad()
-def _run(model, tokenizer, texts: list[str], max_length: int, progress) -> None:
-    """One text at a time: no padding token is ever counted in the statistics."""
+def _run(model, batches: CalibrationBatches, current: _CurrentBatch, progress) -> None:
     encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
-    for index, text in enumerate(texts):
+    done = 0
+    for input_ids, attention_mask, lengths in batches.batches:
         if progress:
-            progress("calibrating", index, len(texts))
-        batch = tokenizer(text, truncation=True, max_length=max_length, return_tensors="pt")
-        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+            progress(f"calibrating ({batches.tokens} tokens)", done, batches.texts)
+        current.lengths = lengths
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         if encoder_decoder:
-            inputs["decoder_input_ids"] = batch["input_ids"]
+            inputs.update(decoder_input_ids=input_ids, decoder_attention_mask=attention_mask)
         model(**inputs)
+        done += len(lengths)
     if progress:
-        progress("calibrating", len(texts), len(texts))
+        progress(f"calibrating ({batches.tokens} tokens)", done, batches.texts)
 
 
-def _hook(*adders):
+def _hook(current: _CurrentBatch, *adders):
     def hook(module, args):
+        sequences = current.sequences(args[0].detach())
         for add in adders:
-            add(args[0].detach())
+            add(sequences)
 
     return hook
 
@@ -152,21 +231,20 @@ class RotaryCalibration:
 
 
 def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[str], max_length: int = 128,
-                              progress=None, keep_samples: int = 0) -> dict:
+                              progress=None, keep_samples: int = 0, token_budget: int | None = None):
     """Query energy and key second moments of every rotary layer on real text (decompose/rotary.py), as means
     per token, and up to `keep_samples` raw sequences per layer. `layers` maps a prefix to (geometry, head
     counts). The queries and keys are the module's own, after any QK-norm and before RoPE, computed from the
-    hidden states it receives; RoPE tables, scale and soft-capping are read from the same call."""
-    from transformers import AutoModel, AutoTokenizer
+    hidden states it receives; RoPE tables, scale and soft-capping are read from the same call. Returns the
+    records by prefix and the batches that ran."""
+    from transformers import AutoModel
 
     from ..decompose.rotary import statistics_of
     from ..decompose.rotary_refinement import AttentionSetting, RotarySample
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except Exception as error:  # noqa: BLE001 - many ways for a tokenizer to be missing or broken
-        raise BadInputError(f"calibration needs the model's tokenizer, which could not be loaded: {error}") from None
-    model = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+    batches = token_batches(_tokenizer(folder), texts, max_length, token_budget)
+    model = AutoModel.from_pretrained(folder).eval()
+    current = _CurrentBatch()
     found = {prefix: RotaryCalibration(None, [], None) for prefix in layers}
     tokens = {prefix: 0 for prefix in layers}
     base = getattr(model, "base_model_prefix", None)
@@ -180,7 +258,8 @@ def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[st
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             queries, keys = family.layout.original_queries_keys(module, hidden, heads)
             values = family.layout.original_values(module, hidden, heads) if keep_samples else queries
-            for query, key, value in zip(queries, keys, values, strict=True):  # one sequence per text: no padding
+            real = zip(current.sequences(queries), current.sequences(keys), current.sequences(values), strict=True)
+            for query, key, value in real:  # each cut to its real tokens: no padding counted
                 more = statistics_of(query.float(), key.float(), geometry)
                 record.statistics = more if record.statistics is None else record.statistics + more
                 tokens[prefix] += query.shape[0]
@@ -200,10 +279,10 @@ def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[st
     if len(handles) != len(layers):
         raise BadInputError("not every attention module of the model could be observed for calibration")
     try:
-        _run(model, tokenizer, texts, max_length, progress)
+        _run(model, batches, current, progress)
     finally:
         for handle in handles:
             handle.remove()
     for prefix, record in found.items():
         record.statistics = record.statistics.scaled(1 / tokens[prefix])
-    return found
+    return found, batches

@@ -40,20 +40,23 @@ def markdown_report(result: "CompressResult") -> str:
         "",
         *summary_lines(result),
         f"- method: {result.method} (collab-convert {result.tool_version}); family: {result.family}",
-        f"- time: {result.seconds:.1f} s",
+        f"- time: {result.seconds:.1f} s" + _stages(result.stage_seconds),
     ]
     if result.calibration:
+        tokens = result.calibration.get("tokens")
         lines += [
-            f"- calibration: {result.calibration['examples']} examples from {result.calibration['source']}; "
+            f"- calibration: {result.calibration['examples']} examples"
+            + (f" ({tokens:,} tokens)" if tokens else "") + f" from {result.calibration['source']}; "
             f"fitted to the {result.calibration['objective']}",
             f"- refinement: {result.calibration.get('refinement', 'off')}",
         ]
-        lines += ["", "| layer | logit error | attention KL before / after refinement |", "|---|---:|---:|"]
+        lines += ["", "| layer | logit error | attention KL before / after refinement | refinement steps |",
+                  "|---|---:|---:|---:|"]
         for layer in result.layers:
             kl = layer.refinement
             shown = f"{kl['kl_before']:.4f} / {kl['kl_after']:.4f}" if kl else "-"
             logit = "-" if layer.logit_error is None else f"{layer.logit_error:.4f}"
-            lines.append(f"| {layer.name} | {logit} | {shown} |")
+            lines.append(f"| {layer.name} | {logit} | {shown} | {kl['steps'] if kl else '-'} |")
     lines += [
         "",
         "| layer | rank | relative error | per-head truncation | params before | params after | "
@@ -85,6 +88,12 @@ def markdown_report(result: "CompressResult") -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _stages(seconds: dict[str, float] | None) -> str:
+    if not seconds:
+        return ""
+    return " (" + ", ".join(f"{stage} {value:.1f} s" for stage, value in seconds.items() if value >= 0.05) + ")"
 
 
 def _rotary_lines(result: "CompressResult") -> list[str]:

@@ -1,0 +1,56 @@
+"""Calibration statistics: batched and padded runs count exactly the real tokens, within a token budget."""
+
+import torch
+
+from collab_convert.architectures.source import open_model
+from collab_convert.integration import capture
+from collab_convert.integration.capture import collect_statistics, token_batches
+from transformers import AutoTokenizer
+
+from fixtures import SENTENCES
+
+
+def _statistics(folder, texts, **kwargs):
+    source = open_model(str(folder))
+    try:
+        prefixes = [layer.prefix for layer in source.layers]
+        return collect_statistics(source.folder, source.family, prefixes, texts, keep_samples=4, **kwargs)
+    finally:
+        source.close()
+
+
+def test_batched_statistics_equal_one_text_at_a_time(tiny_bert, monkeypatch):
+    texts = SENTENCES[:20]
+    batched, batches = _statistics(tiny_bert, texts)
+    assert len(batches.batches) < len(texts)  # several texts per forward pass, padded
+    assert any(min(lengths) < max(lengths) for _, _, lengths in batches.batches)
+    monkeypatch.setattr(capture, "BATCH_SEQUENCES", 1)
+    single, _ = _statistics(tiny_bert, texts)
+    for prefix, layer in batched.items():
+        for side in ("query", "key"):
+            mine, theirs = getattr(layer, side), getattr(single[prefix], side)
+            assert torch.allclose(mine.covariance, theirs.covariance, rtol=1e-4, atol=1e-5)
+            assert torch.allclose(mine.mean, theirs.mean, rtol=1e-4, atol=1e-5)
+        # raw samples are real tokens only, and the key side shares the query side's copy
+        assert [s.shape[0] for s in layer.query_samples] == [s.shape[0] for s in single[prefix].query_samples]
+        assert all(q is k for q, k in zip(layer.query_samples, layer.key_samples))
+
+
+def test_token_budget_caps_the_tokens_that_run(tiny_bert):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
+    texts = SENTENCES[:20]
+    everything = token_batches(tokenizer, texts, 64, None)
+    capped = token_batches(tokenizer, texts, 64, 100)
+    assert capped.tokens == 100 < everything.tokens
+    real = sum(int(mask.sum()) for _, mask, _ in capped.batches)
+    assert real == 100
+    assert all(ids.shape[0] * ids.shape[1] <= capture.BATCH_TOKENS for ids, _, _ in everything.batches)
+
+
+def test_the_report_records_the_tokens(tiny_bert, calibration_file, tmp_path):
+    from collab_convert import CompressOptions, compress
+
+    result = compress(str(tiny_bert), CompressOptions(rank=16, output=tmp_path / "out", calibration=calibration_file,
+                                                      refine_steps=0, calibration_tokens=150))
+    assert result.calibration["tokens"] == 150
+    assert 0 < result.calibration["examples"] < 32
