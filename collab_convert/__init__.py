@@ -18,9 +18,12 @@ _API = {
     "AnalyzeOptions": "options",
     "CompressOptions": "options",
     "CompressResult": "results",
+    "ExportOptions": "options",
+    "ExportResult": "results",
     "analyze": "analysis",
     "collaborate_multihead_attention": "modeling.torch_mha",
     "compress": "compression",
+    "export": "exporting",
     "load_model": "integration.loading",
 }
 

@@ -28,7 +28,7 @@ from rich.progress import (
 from rich.table import Table
 
 from .errors import BadInputError
-from .options import AnalyzeOptions, CompressOptions
+from .options import AnalyzeOptions, CompressOptions, ExportOptions
 from .progress import stage_of
 
 EXIT_CODES = """Exit codes: 0 success, 1 a threshold failed, 2 usage error, 3 bad input, 130 interrupted."""
@@ -353,6 +353,33 @@ def _print_compression(result, rank) -> None:
         f"{result.parameters_after:,}; mean relative error {result.mean_relative_error:.4f}.\n"
         f"Next: python -c \"import collab_convert; m = collab_convert.load_model('{result.output}')\""
     )
+
+
+@app.command()
+@with_options(ExportOptions, after="model")
+def export(
+    model: str = typer.Argument(..., help="The compressed checkpoint (a folder), or any model transformers loads.",
+                                metavar="CHECKPOINT"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
+    **options,
+) -> None:
+    """Write CHECKPOINT as ONNX (batch and length dynamic; encoders: final hidden states, causal language models:
+    logits without a cache), after checking that onnxruntime reproduces PyTorch on built-in sentences.
+
+    Next: run OUTPUT/model.onnx with onnxruntime.InferenceSession; its inputs are the tokenizer's (saved beside it).
+    """
+    _Quiet.quiet = quiet
+    chosen = build_options(ExportOptions, options)
+    from .exporting import export as run_export
+
+    result = _run_with_progress(run_export, model, chosen, show=not as_json)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict()))
+    else:
+        stdout.print(
+            f"Wrote {result.output}/model.onnx ({result.kind}) in {result.seconds:.1f} s; onnxruntime matches "
+            f"PyTorch to {result.max_abs_difference:.1e} on {result.checked_on}.", highlight=False)
 
 
 @app.command()

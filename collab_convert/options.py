@@ -145,3 +145,18 @@ class AnalyzeOptions(_ModelInputs):
         if value is not None and (not value or any(v < 1 for v in value)):
             raise ValueError("ranks must be positive integers")
         return value
+
+
+class ExportOptions(BaseModel):
+    """What `export` writes: a runtime format of a compressed checkpoint (or of any model it can load)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["onnx"] = Field("onnx", description="The format to write: onnx.")
+    output: Path = Field(
+        description="Folder to write the exported model to (model.onnx, tokenizer and config files).",
+        json_schema_extra={"flags": ["--output", "-o"]},
+    )
+    overwrite: bool = Field(False, description="Replace OUTPUT if it exists and is not empty.")
+    # onnxruntime against PyTorch on the built-in sentences; a larger difference is an error, never a silent file
+    tolerance: float = Field(1e-4, gt=0, description="Largest absolute difference from PyTorch accepted.")

@@ -166,6 +166,23 @@ class CompressPlan(_Data):
 
 
 @dataclass
+class ExportResult(_Data):
+    """An exported model and how closely its runtime reproduces PyTorch."""
+
+    model: str
+    output: str
+    format: str
+    kind: str  # "encoder: final hidden states" or "causal language model: logits, no cache"
+    inputs: list[str]
+    outputs: list[str]
+    max_abs_difference: float  # runtime against PyTorch, over real tokens
+    checked_on: str
+    files: list[str]
+    seconds: float
+    tool_version: str = __version__
+
+
+@dataclass
 class VerifyResult(_Data):
     """Fidelity of a compressed checkpoint to its base on real text."""
 

@@ -20,7 +20,7 @@ LAYERS = {
     "architectures": 4,
     "integration": 5, "report": 5,
     "stages": 6, "rotary_stages": 7, "predict": 7,
-    "analysis": 8, "compression": 8,
+    "analysis": 8, "compression": 8, "exporting": 8,
     "cli": 9, "__init__": 9, "__main__": 10,
 }
 

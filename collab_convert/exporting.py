@@ -1,0 +1,112 @@
+"""export(): a compressed checkpoint (or any model transformers loads) in a runtime format, checked.
+
+    load (integration/loading.py)  ->  trace to ONNX (integration/onnx_export.py)  ->  run it in onnxruntime
+    against PyTorch on the built-in sentences  ->  tokenizer and config beside it  ->  swap into place
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from .errors import BadInputError
+from .io.folders import StagedOutput, check_output, copy_non_weight_files, read_config, resolve_model
+from .options import ExportOptions
+from .progress import Progress, no_progress
+from .results import ExportResult
+
+
+def export(model: str, options: ExportOptions, progress: Progress = no_progress) -> ExportResult:
+    """Write `model` as ONNX into options.output, after checking onnxruntime reproduces PyTorch on real text
+    within options.tolerance; refuse (and write nothing) otherwise."""
+    from .integration.onnx_export import (
+        EncoderOutputs,
+        LanguageModelOutputs,
+        check_onnx,
+        export_onnx,
+        require_onnx,
+    )
+
+    started = time.perf_counter()
+    require_onnx()
+    folder = resolve_model(model)
+    output = options.output.expanduser().resolve()
+    check_output(output, folder, options.overwrite)
+    progress("loading", 0, 1)
+    wrapper, kind = _wrapped(folder, EncoderOutputs, LanguageModelOutputs)
+    example, probe, description = _inputs(folder, wrapper)
+    with StagedOutput(output, options.overwrite) as staged:
+        progress("exporting to ONNX", 0, 1)
+        path = staged.folder / "model.onnx"
+        try:
+            export_onnx(wrapper, example, path)
+        except Exception as error:  # noqa: BLE001 - the exporter fails in many ways on models it cannot trace
+            raise BadInputError(f"torch.onnx could not export this model: {str(error).splitlines()[0]}") from None
+        progress("checking in onnxruntime", 0, 1)
+        check = check_onnx(path, wrapper, probe, description)
+        if not check.max_abs_difference <= options.tolerance:
+            raise BadInputError(f"onnxruntime differs from PyTorch by {check.max_abs_difference:.2e} (more than "
+                                f"--tolerance {options.tolerance:g}); nothing was written")
+        files = ["model.onnx"] + copy_non_weight_files(folder, staged.folder)
+        if (folder / "config.json").is_file():  # runtimes (optimum, transformers.js) read the model type there
+            shutil.copy2(folder / "config.json", staged.folder / "config.json")
+            files.append("config.json")
+        result = ExportResult(
+            model=model, output=str(output), format=options.format, kind=kind,
+            inputs=list(example), outputs=[wrapper.output_name],
+            max_abs_difference=check.max_abs_difference, checked_on=check.inputs, files=sorted(files),
+            seconds=time.perf_counter() - started,
+        )
+        (staged.folder / "export.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
+        result.files = sorted(files + ["export.json"])
+        staged.commit()
+    progress("checking in onnxruntime", 1, 1)
+    return result
+
+
+def _wrapped(folder: Path, encoder, language_model):
+    """The model loaded as its config says, in the wrapper that names its output."""
+    import transformers
+
+    from .integration.fidelity import is_language_model
+    from .integration.loading import load_model
+
+    causal = is_language_model(read_config(folder).get("architectures"))
+    auto_class = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    try:
+        model = load_model(str(folder), auto_class=auto_class).eval()
+    except BadInputError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a checkpoint transformers cannot load
+        raise BadInputError(f"could not load {folder}: {str(error).splitlines()[0]}") from None
+    if causal:
+        return language_model(model), "causal language model: next-token logits, no cache"
+    return encoder(model), "encoder: final hidden states"
+
+
+def _inputs(folder: Path, wrapper):
+    """(a small traced example, the check's inputs, what the check ran on): the tokenizer's own inputs on the
+    built-in sentences, padded; the example is two of them, so batch and length are traced as dynamic."""
+    import inspect
+
+    from transformers import AutoTokenizer
+
+    from .predict import default_probe
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as error:  # noqa: BLE001 - many ways for a tokenizer to be missing or broken
+        raise BadInputError(f"export needs the model's tokenizer to check the result: {error}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    texts = default_probe().texts
+    accepted = set(inspect.signature(wrapper.model.forward).parameters)
+    names = [name for name in wrapper.input_names if name in accepted]
+
+    def encode(chosen: list[str]):
+        batch = tokenizer(chosen, padding=True, truncation=True, max_length=128, return_tensors="pt")
+        return {name: batch[name] for name in names if name in batch}
+
+    return encode(texts[:2]), encode(texts), f"{len(texts)} built-in sentences, padded to one batch"

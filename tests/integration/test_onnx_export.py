@@ -1,0 +1,78 @@
+"""ONNX export: a compressed encoder and a compressed decoder run in onnxruntime as they do in PyTorch."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from collab_convert import CompressOptions, compress
+from collab_convert.cli import app
+
+
+
+def _session_outputs(folder, inputs):
+    from collab_convert.integration.onnx_export import onnx_session
+
+    session = onnx_session(folder / "model.onnx")
+    names = [i.name for i in session.get_inputs()]
+    return torch.from_numpy(session.run(None, {name: inputs[name].numpy() for name in names})[0])
+
+
+def test_a_compressed_encoder_runs_in_onnxruntime_as_in_pytorch(tiny_bert, tmp_path, token_batch):
+    from collab_convert import load_model
+    from collab_convert.exporting import export
+    from collab_convert.options import ExportOptions
+    from transformers import AutoModel
+
+    compressed = tmp_path / "compressed"
+    compress(str(tiny_bert), CompressOptions(rank=8, output=compressed, plots=False))
+    result = export(str(compressed), ExportOptions(output=tmp_path / "onnx"))
+    assert result.max_abs_difference <= 1e-4
+    assert "model.onnx" in result.files and "tokenizer.json" in result.files
+    # a batch of another size and length than the traced example, with padding
+    inputs = dict(token_batch, token_type_ids=torch.zeros_like(token_batch["input_ids"]))
+    ours = _session_outputs(tmp_path / "onnx", inputs)
+    with torch.no_grad():
+        theirs = load_model(str(compressed), auto_class=AutoModel).eval()(**inputs).last_hidden_state
+    real = inputs["attention_mask"].bool()
+    assert (ours - theirs)[real].abs().max() < 1e-4
+
+
+def _decoder(kind: str, folder):
+    import transformers as T
+
+    from fixtures.models import save_tiny_tokenizer
+
+    torch.manual_seed(0)
+    if kind == "gpt2":  # absolute positions, collaborative (CP) form
+        model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=120, n_embd=32, n_layer=2, n_head=4, n_positions=160))
+    else:  # rotary, grouped-query: the shared rotary key
+        model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=120, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 max_position_embeddings=160))
+    model.save_pretrained(folder)
+    save_tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_compressed_decoder_exports_its_logits_without_cache(kind, tmp_path):
+    folder = _decoder(kind, tmp_path / kind)
+    budget = {"rank": 8} if kind == "gpt2" else {"key_cache": 0.5}
+    compress(str(folder), CompressOptions(output=tmp_path / "compressed", plots=False, **budget))
+    outcome = CliRunner().invoke(app, ["export", str(tmp_path / "compressed"), "-o", str(tmp_path / "onnx"), "--json"])
+    assert outcome.exit_code == 0, outcome.output
+    report = json.loads(outcome.stdout)
+    assert report["outputs"] == ["logits"] and report["max_abs_difference"] <= 1e-4
+    assert report["inputs"] == ["input_ids", "attention_mask"]
+    assert json.loads((tmp_path / "onnx" / "export.json").read_text())["kind"].startswith("causal language model")
+
+
+def test_export_refuses_a_folder_that_is_no_model_and_writes_nothing(tmp_path):
+    from collab_convert.cli import main
+
+    (tmp_path / "empty").mkdir()
+    code = main(["export", str(tmp_path / "empty"), "-o", str(tmp_path / "onnx")])
+    assert code == 3
+    assert not (tmp_path / "onnx").exists()
