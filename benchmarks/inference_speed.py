@@ -3,6 +3,8 @@
     python benchmarks/inference_speed.py [--quick]
 
 - Encoder: all-MiniLM-L6-v2 (the embedded default), batch 32 x 128 tokens, forward pass, at ranks 192 and 96.
+- ONNX: the same encoders exported (`collab-convert export`) and run in onnxruntime, against the original's
+  export.
 - Decoder: an OPT-125m-shaped model (12 layers, D=768, 12 heads, random weights: speed does not depend on the
   values), a 2048-token prompt, then one greedy decode step with the KV cache, at rank D/2 = 384; plus the
   bytes of the cache after the prompt.
@@ -100,10 +102,34 @@ def decoder(scratch: Path, repeats: int, prompt_length: int) -> None:
               f"cache {sizes[name] / 2**20:7.1f} MiB   {sizes[name] / sizes['original']:.3f}x")
 
 
+def onnx(scratch: Path, repeats: int) -> None:
+    """The encoders exported with `collab-convert export` (ONNX), run in onnxruntime: compressed against the
+    original's export, as sentence-embedding deployments run them."""
+    from collab_convert.exporting import export
+    from collab_convert.integration.onnx_export import onnx_session
+    from collab_convert.options import ExportOptions
+
+    source = resolve_model(DEFAULT_MODEL)
+    folders = {"original": source, **{f"rank {r}": scratch / f"minilm-{r}" for r in (192, 96)}}
+    sessions, checks = {}, {}
+    for name, folder in folders.items():
+        result = export(str(folder), ExportOptions(output=scratch / f"onnx-{name.replace(' ', '-')}"))
+        sessions[name], checks[name] = onnx_session(Path(result.output) / "model.onnx"), result.max_abs_difference
+    ids = torch.randint(1000, 20000, (32, 128), generator=torch.Generator().manual_seed(0)).numpy()
+    feeds = {"input_ids": ids, "attention_mask": ids * 0 + 1, "token_type_ids": ids * 0}
+    medians = interleaved({name: (lambda s=s: s.run(None, {i.name: feeds[i.name] for i in s.get_inputs()}))
+                           for name, s in sessions.items()}, repeats)
+    print("ONNX (onnxruntime, CPU): all-MiniLM-L6-v2, batch 32 x 128 (median of", repeats, "interleaved runs)")
+    for name, seconds in medians.items():
+        print(f"  {name:10s} {seconds * 1000:8.1f} ms   {seconds / medians['original']:.3f}x   "
+              f"onnxruntime vs PyTorch max |diff| {checks[name]:.1e}")
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
     with tempfile.TemporaryDirectory() as scratch:
         encoder(Path(scratch), 3 if quick else 9)
+        onnx(Path(scratch), 3 if quick else 9)
         decoder(Path(scratch), 5 if quick else 21, 512 if quick else 2048)
 
 

@@ -67,8 +67,9 @@ class CompressOptions(_ModelInputs):
     # With calibration: refine each layer against the original's attention distributions (KL), this many Adam
     # steps on up to refine_samples calibration sequences. 0 turns refinement off.
     refine_steps: int = Field(
-        200, ge=0, description="With --calibration: Adam steps per layer against the original attention, at most "
-        "(each on 8 sequences x 32 query positions; stops early when a held-out slice stops improving; 0: off).",
+        200, ge=0, description="With --calibration: Adam steps per layer against the original attention, on "
+        "average: layers with more error get more (each step on 4 sequences x 64 query positions; a layer stops "
+        "early when a held-out slice stops improving; 0: off).",
     )
     refine_samples: int = Field(256, ge=1, description="With --calibration: sequences the refinement looks at.")
     output: Path = Field(

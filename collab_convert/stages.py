@@ -106,8 +106,11 @@ def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], p
         token_budget=options.calibration_tokens,
     )
     if refines:
-        refinement = (f"up to {options.refine_steps} Adam steps per layer on the attention KL, each on 8 of "
-                      f"{min(options.refine_samples, len(texts))} sequences and 32 query positions in each, "
+        from .decompose.refinement import BATCH_SEQUENCES, QUERY_ROWS
+
+        refinement = (f"Adam on the attention KL, {options.refine_steps} steps per layer on average, shared out by "
+                      f"each layer's KL before refinement; each step on {BATCH_SEQUENCES} of "
+                      f"{min(options.refine_samples, len(texts))} sequences and {QUERY_ROWS} query positions in each, "
                       "stopped and chosen on a held-out tenth of them")
     elif not options.refine_steps or not refine:
         refinement = "off"

@@ -86,10 +86,11 @@ def fit_tucker_cp_als(request: FitRequest) -> LayerFit:
     from .calibrated import fit_calibrated
 
     if request.calibrated:
-        # The ALS is cheap next to calibration, so calibrated fits run it to a tight tolerance.
+        # Calibrated fits run the ALS to a tighter tolerance (refinement starts from it). Measured at rank 192 on
+        # MiniLM with refinement: 1e-3 loses 0.0006 of mean cosine against 1e-4; 1e-5 gains nothing for 40% more.
         fit, correction = fit_calibrated(
             request.products, request.rank, request.query_metric, request.key_metric, request.max_iterations,
-            min(request.tolerance, 1e-5), device=request.device,
+            min(request.tolerance, 1e-4), device=request.device,
         )
         return _layer_fit(request, fit, logit_error=fit.relative_error, correction=correction)
     fit = fit_collaborative(request.products, request.rank, request.max_iterations, request.tolerance, request.device)

@@ -18,6 +18,7 @@ import torch
 from ..decompose.calibrated import InputMetric
 from ..errors import BadInputError
 from ..modeling.collaborative import strip_prefix
+from ..progress import DETAIL
 
 BATCH_TOKENS = 4096  # padded tokens per forward pass: the activations of one batch stay small
 BATCH_SEQUENCES = 64
@@ -200,7 +201,7 @@ def _run(model, batches: CalibrationBatches, current: _CurrentBatch, progress) -
     done = 0
     for input_ids, attention_mask, lengths in batches.batches:
         if progress:
-            progress(f"calibrating ({batches.tokens} tokens)", done, batches.texts)
+            progress(f"calibrating{DETAIL}{batches.tokens} tokens", done, batches.texts)
         current.lengths = lengths
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         if encoder_decoder:
@@ -208,7 +209,7 @@ def _run(model, batches: CalibrationBatches, current: _CurrentBatch, progress) -
         model(**inputs)
         done += len(lengths)
     if progress:
-        progress(f"calibrating ({batches.tokens} tokens)", done, batches.texts)
+        progress(f"calibrating{DETAIL}{batches.tokens} tokens", done, batches.texts)
 
 
 def _hook(current: _CurrentBatch, *adders):

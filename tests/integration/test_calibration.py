@@ -79,7 +79,7 @@ def test_compress_with_calibration_records_and_loads(tiny_bert, calibration_file
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["method"] == "tucker-cp-als+calibrated"
     report = json.loads((out / "report.json").read_text())
-    assert report["calibration"]["refinement"].startswith("up to 20 Adam steps")
+    assert "20 steps per layer on average" in report["calibration"]["refinement"]
     model = load_model(out).eval()
     with torch.no_grad():
         assert torch.isfinite(model(**token_batch).last_hidden_state).all()

@@ -54,3 +54,7 @@ def test_the_report_records_the_tokens(tiny_bert, calibration_file, tmp_path):
                                                       refine_steps=0, calibration_tokens=150))
     assert result.calibration["tokens"] == 150
     assert 0 < result.calibration["examples"] < 32
+    # the seconds of each stage the progress showed, in the order they ran
+    assert list(result.stage_seconds)[:2] == ["opening the model", "calibrating"]
+    assert {"fitting", "writing"} <= set(result.stage_seconds) and all(v >= 0 for v in result.stage_seconds.values())
+    assert "calibrating" in (tmp_path / "out" / "report.md").read_text()
