@@ -57,4 +57,4 @@ def test_the_report_records_the_tokens(tiny_bert, calibration_file, tmp_path):
     # the seconds of each stage the progress showed, in the order they ran
     assert list(result.stage_seconds)[:2] == ["opening the model", "calibrating"]
     assert {"fitting", "writing"} <= set(result.stage_seconds) and all(v >= 0 for v in result.stage_seconds.values())
-    assert "calibrating" in (tmp_path / "out" / "report.md").read_text()
+    assert "(150 tokens)" in (tmp_path / "out" / "report.md").read_text()
