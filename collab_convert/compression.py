@@ -51,6 +51,13 @@ def _check(source: SourceModel, options: CompressOptions, ranks: dict[str, int] 
 
 def compress(model: str, options: CompressOptions, progress: Progress = no_progress) -> CompressResult:
     """Re-parametrize every attention layer into collaborative form and write a complete checkpoint."""
+    from .cpu import math_threads
+
+    with math_threads(options.threads) as (threads, why):
+        return _compress(model, options, progress, {"threads": threads, "why": why})
+
+
+def _compress(model: str, options: CompressOptions, progress: Progress, threads: dict[str, Any]) -> CompressResult:
     started = time.perf_counter()
     progress = StageClock(progress)  # the report's seconds per stage are the stages the progress showed
     torch.manual_seed(options.seed)
@@ -84,6 +91,7 @@ def compress(model: str, options: CompressOptions, progress: Progress = no_progr
             result = CompressResult(
                 model=model, output=str(output), family=source.family.name, method=options.method,
                 layers=reports, files=[], seconds=0.0, calibration=calibration, rank_choice=rank_choice,
+                threads=threads,
             )
             write_record(reports, staged.folder, result.method + ("+calibrated" if calibration else ""))
             if held_out is not None and estimator is not None:  # calibration lends lines to measure the result on

@@ -93,6 +93,10 @@ class CompressOptions(_ModelInputs):
     plots: bool = Field(True, description="Draw spectra.png and errors.png beside the reports (--no-plots skips "
                         "them: matplotlib is a third of a small model's compress time).",
                         json_schema_extra={"flags": ["--plots/--no-plots"]})
+    threads: int | None = Field(
+        None, ge=1, description="CPU threads for the math (default: the cores idle when the run starts, so a busy "
+        "shared machine is not oversubscribed).",
+    )
     resume: bool = Field(False, description="Continue a run that was killed (SIGKILL, a crash) writing OUTPUT: "
                          "layers it finished are not fitted again; the result is byte-identical.")
 

@@ -129,6 +129,7 @@ class CompressResult(_Data):
     fidelity: dict[str, Any] | None = None
     # seconds per stage (opening, calibrating, fitting, refining, writing, ...), as the progress display showed them
     stage_seconds: dict[str, float] | None = None
+    threads: dict[str, Any] | None = None  # CPU threads the math ran on, and why that many (cpu.py)
 
     @property
     def parameters_before(self) -> int:

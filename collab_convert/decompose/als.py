@@ -70,6 +70,11 @@ def _solve(gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     tiny = 1e-12 if gram.dtype == torch.float64 else 1e-7
     ridge = tiny * float(gram.diagonal().abs().max().clamp_min(1e-30))
     eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    # Cholesky first: a third of a general solve's time, and the ridged gram is positive definite unless
+    # rounding says otherwise, when the general solve takes over.
+    factor, info = torch.linalg.cholesky_ex(gram + ridge * eye)
+    if int(info) == 0:
+        return torch.cholesky_solve(rhs.T, factor).T
     return torch.linalg.solve(gram + ridge * eye, rhs.T).T
 
 

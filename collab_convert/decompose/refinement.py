@@ -23,8 +23,13 @@ LEARNING_RATE = 1e-2
 BATCH_SEQUENCES, QUERY_ROWS = 4, 64
 
 
-def _log_softmax(scores: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(scores.masked_fill(~key_mask, float("-inf")), dim=-1)
+# Added to the scores of keys a query may not see: finite, so that 0 x log 0 terms stay 0 without a NaN pass,
+# and far enough down that exp() of it is exactly 0 in float32.
+MASKED = -1e9
+
+
+def _mask_to_add(key_mask: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(key_mask.shape).masked_fill_(~key_mask, MASKED)
 
 
 @dataclass
@@ -60,10 +65,17 @@ class _Batch:
 
     x: torch.Tensor  # (B, n, D) query-side inputs
     y: torch.Tensor  # (B, m, D) key-side inputs
-    key_mask: torch.Tensor  # (B, 1 | H, n | 1, m): which keys each query may see
-    valid: torch.Tensor  # (B, H, n): which (sequence, head, query) rows count
-    target: torch.Tensor  # (B, H, n, m) log-probabilities of the original attention
-    target_p: torch.Tensor
+    mask: torch.Tensor  # (B, 1, n | 1, m): 0 where a query may see a key, MASKED elsewhere
+    rows: int  # real (sequence, head, query) rows
+    target_p: torch.Tensor  # (B, H, n, m) the original attention; rows of padding queries are all 0
+    entropy: float  # sum of target_p x log target_p: the KL's constant part
+
+    @classmethod
+    def of(cls, x, y, key_mask, x_mask, original_scores, heads: int) -> "_Batch":
+        mask = _mask_to_add(key_mask)
+        target = torch.log_softmax(original_scores + mask, dim=-1)
+        target_p = target.exp() * x_mask[:, None, :, None]
+        return cls(x, y, mask, int(x_mask.sum()) * heads, target_p, float((target_p * target).sum()))
 
 
 @torch.no_grad()
@@ -77,27 +89,27 @@ def _original_attention(queries, keys, query_weight, query_bias, key_weight, num
         if causal:
             positions = torch.arange(x.shape[1])
             key_mask = key_mask & (positions[None, :] <= positions[:, None])[None, None]
-        valid = x_mask[:, None, :].expand(-1, heads, -1)
         q = x @ query_weight.float().T + (query_bias.float() if query_bias is not None else 0.0)
         k = y @ key_weight.float().T
         q = q.view(*q.shape[:2], heads, d_k).transpose(1, 2)
         k = k.view(*k.shape[:2], heads, d_k).transpose(1, 2)
-        target = _log_softmax(torch.matmul(q, k.transpose(-1, -2)) * scaling, key_mask)
-        batches.append(_Batch(x, y, key_mask, valid, target, target.exp()))
+        batches.append(_Batch.of(x, y, key_mask, x_mask, torch.matmul(q, k.transpose(-1, -2)) * scaling, heads))
     return batches
 
 
-def _collaborative_kl(parameters, batch: _Batch, scaling: float, rows: int) -> torch.Tensor:
+def _collaborative_kl(parameters, batch: _Batch, scaling: float) -> torch.Tensor:
+    """Mean KL(original || collaborative) over the batch's real attention rows."""
     shared_query, shared_key, mixing, bias = parameters
     (size, n, _), m, (heads, rank) = batch.x.shape, batch.y.shape[1], mixing.shape
     # The packed key [y W~_K, y r_1 .. y r_N] in one product; every head scores against the one shared key in a
-    # single batched product (heads x queries as rows), never a per-head copy of it: as the runtime does.
+    # single batched product (heads x queries as rows), never a per-head copy of it: as the runtime does. The
+    # scaling rides on the small factors, and the content bias joins the mask before the one full-size add.
     packed = batch.y @ torch.cat([shared_key, bias.T], 1)  # (B, m, R + H)
-    per_head_q = (batch.x @ shared_query).unsqueeze(1) * mixing[None, :, None, :]  # (B, H, n, R)
+    per_head_q = (batch.x @ shared_query).unsqueeze(1) * (mixing * scaling)[None, :, None, :]  # (B, H, n, R)
     scores = torch.bmm(per_head_q.reshape(size, heads * n, rank), packed[..., :rank].transpose(1, 2))
-    scores = (scores.view(size, heads, n, m) + packed[..., rank:].transpose(1, 2).unsqueeze(2)) * scaling
-    kl = (batch.target_p * (batch.target - _log_softmax(scores, batch.key_mask))).nan_to_num(0.0).sum(-1)
-    return kl[batch.valid].sum() / rows
+    per_key = (packed[..., rank:] * scaling).transpose(1, 2).unsqueeze(2) + batch.mask  # (B, H, 1 | n, m)
+    log_q = torch.log_softmax(scores.view(size, heads, n, m) + per_key, dim=-1)
+    return (batch.entropy - (batch.target_p * log_q).sum()) / batch.rows
 
 
 @dataclass
@@ -116,7 +128,9 @@ def _sequences(queries, keys, query_weight, query_bias, key_weight, heads: int) 
     bias = query_bias.float() if query_bias is not None else 0.0
     pool = []
     for x, y in zip(queries, keys):
-        x, y = x.float(), (x.float() if y is x else y.float())  # samples may be kept in half precision
+        same = y is x  # self-attention samples are one tensor for both sides: one float copy
+        x = x.float()  # samples may be kept in half precision
+        y = x if same else y.float()
         pool.append(_Sequence(x, y, (x @ query_weight.float().T + bias).view(-1, heads, d_k),
                               (y @ key_weight.float().T).view(-1, heads, d_k)))
     return pool
@@ -137,8 +151,7 @@ def _sampled_batch(chosen: list[_Sequence], rows: int, scaling: float, causal: b
     if causal:
         positions, _ = _pad([p[:, None].float() for p in picks])  # (B, rows, 1)
         key_mask = key_mask & (torch.arange(y.shape[1])[None, None, :] <= positions)[:, None]
-    target = _log_softmax(torch.matmul(q, k.transpose(-1, -2)) * scaling, key_mask)
-    return _Batch(x, y, key_mask, x_mask[:, None, :].expand(-1, heads, -1), target, target.exp())
+    return _Batch.of(x, y, key_mask, x_mask, torch.matmul(q, k.transpose(-1, -2)) * scaling, heads)
 
 
 class AttentionTarget:
@@ -148,25 +161,32 @@ class AttentionTarget:
     def __init__(self, queries: list[torch.Tensor], keys: list[torch.Tensor], query_weight: torch.Tensor,
                  query_bias: torch.Tensor | None, key_weight: torch.Tensor, num_heads: int, scaling: float,
                  causal: bool = False):
-        pool = _sequences(queries, keys, query_weight, query_bias, key_weight, num_heads)
-        held = max(len(pool) // 10, 1) if len(pool) >= 10 else 0
-        self.train, check = (pool[:-held], pool[-held:]) if held else (pool, pool)
-        self.check_batches = _original_attention([s.x for s in check], [s.y for s in check], query_weight,
-                                                 query_bias, key_weight, num_heads, scaling, causal)
-        self.check_rows = sum(int(b.valid.sum()) for b in self.check_batches)
+        held = max(len(queries) // 10, 1) if len(queries) >= 10 else 0
+        train = slice(0, len(queries) - held) if held else slice(None)
+        check = slice(len(queries) - held, None) if held else slice(None)
+        self.check_batches = _original_attention([x.float() for x in queries[check]], [y.float() for y in keys[check]],
+                                                 query_weight, query_bias, key_weight, num_heads, scaling, causal)
+        self.check_rows = sum(b.rows for b in self.check_batches)
         self.scaling, self.causal = scaling, causal
+        # the training sequences' original queries and keys, computed when a refinement first asks: judging a
+        # fit (held_out_kl) needs only the held-out slice
+        self._train = lambda: _sequences(queries[train], keys[train], query_weight, query_bias, key_weight, num_heads)
+        self.train: list[_Sequence] | None = None
 
     @torch.no_grad()
     def held_out_kl(self, parameters) -> float:
         """Mean KL(original || collaborative) per attention row of the held-out sequences; `parameters`:
         (shared_query, shared_key, mixing, content_bias)."""
         parameters = [t.float() for t in parameters]
-        return float(sum(_collaborative_kl(parameters, b, self.scaling, self.check_rows) for b in self.check_batches))
+        return float(sum(_collaborative_kl(parameters, b, self.scaling) * b.rows for b in self.check_batches)
+                     / self.check_rows)
 
     def minibatch_kl(self, parameters, generator, sequences: int, rows: int) -> torch.Tensor:
+        if self.train is None:
+            self.train = self._train()
         chosen = [self.train[i] for i in torch.randperm(len(self.train), generator=generator)[:sequences]]
-        batch = _sampled_batch(chosen, rows, self.scaling, self.causal, generator)
-        return _collaborative_kl(parameters, batch, self.scaling, int(batch.valid.sum()))
+        return _collaborative_kl(parameters, _sampled_batch(chosen, rows, self.scaling, self.causal, generator),
+                                 self.scaling)
 
 
 def refine_attention(

@@ -75,15 +75,37 @@ def token_batches(tokenizer, texts: list[str], max_length: int, token_budget: in
     return CalibrationBatches(batches, tokens, len(kept))
 
 
+class _SeenEverything(Exception):
+    """Raised by the last hook of a forward pass: what runs after it is never observed."""
+
+
 class _CurrentBatch:
-    """The real length of each sequence in the batch running now, for hooks to cut the padding off."""
+    """The real length of each sequence in the batch running now, for hooks to cut the padding off; and how
+    many observations a forward pass makes, so later passes stop at the last one (the layers after the last
+    attention input, e.g. the last feed-forward block, need not run)."""
 
     def __init__(self):
         self.lengths: list[int] = []
+        self.observed = 0
+        self.observations: int | None = None  # per forward pass, counted on the first
 
     def sequences(self, hidden: torch.Tensor) -> list[torch.Tensor]:
         """(batch, n, ...) right-padded -> each sequence's real rows."""
         return [hidden[row, :length] for row, length in enumerate(self.lengths)]
+
+    def observed_one(self) -> None:
+        self.observed += 1
+        if self.observed == self.observations:
+            raise _SeenEverything
+
+    def forward(self, model, inputs: dict, lengths: list[int]) -> None:
+        self.lengths, self.observed = lengths, 0
+        try:
+            model(**inputs)
+        except _SeenEverything:
+            return
+        if self.observations is None:
+            self.observations = self.observed
 
 
 @dataclass
@@ -202,11 +224,10 @@ def _run(model, batches: CalibrationBatches, current: _CurrentBatch, progress) -
     for input_ids, attention_mask, lengths in batches.batches:
         if progress:
             progress(f"calibrating{DETAIL}{batches.tokens} tokens", done, batches.texts)
-        current.lengths = lengths
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         if encoder_decoder:
             inputs.update(decoder_input_ids=input_ids, decoder_attention_mask=attention_mask)
-        model(**inputs)
+        current.forward(model, inputs, lengths)
         done += len(lengths)
     if progress:
         progress(f"calibrating{DETAIL}{batches.tokens} tokens", done, batches.texts)
@@ -217,6 +238,7 @@ def _hook(current: _CurrentBatch, *adders):
         sequences = current.sequences(args[0].detach())
         for add in adders:
             add(sequences)
+        current.observed_one()
 
     return hook
 
@@ -272,6 +294,7 @@ def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[st
                 record.setting = AttentionSetting(float(module.scaling), cos[0].float().clone(), sin[0].float().clone(),
                                                   getattr(module, "attn_logit_softcapping", None),
                                                   output.detach().float().clone())
+            current.observed_one()
 
         return hook
 

@@ -40,7 +40,8 @@ def markdown_report(result: "CompressResult") -> str:
         "",
         *summary_lines(result),
         f"- method: {result.method} (collab-convert {result.tool_version}); family: {result.family}",
-        f"- time: {result.seconds:.1f} s" + _stages(result.stage_seconds),
+        f"- time: {result.seconds:.1f} s" + _stages(result.stage_seconds)
+        + (f"; CPU threads: {result.threads['threads']} ({result.threads['why']})" if result.threads else ""),
     ]
     if result.calibration:
         tokens = result.calibration.get("tokens")

@@ -58,3 +58,25 @@ def test_the_report_records_the_tokens(tiny_bert, calibration_file, tmp_path):
     assert list(result.stage_seconds)[:2] == ["opening the model", "calibrating"]
     assert {"fitting", "writing"} <= set(result.stage_seconds) and all(v >= 0 for v in result.stage_seconds.values())
     assert "(150 tokens)" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_threads_follow_the_idle_cores_unless_asked(monkeypatch):
+    from collab_convert import cpu
+
+    monkeypatch.setattr(cpu, "idle_cores", lambda window=cpu.WINDOW: 1.1)  # a neighbour holds one of two cores
+    assert cpu.choose_threads(None, default=2)[0] == 1
+    monkeypatch.setattr(cpu, "idle_cores", lambda window=cpu.WINDOW: 0.2)  # never fewer than one
+    assert cpu.choose_threads(None, default=2)[0] == 1
+    monkeypatch.setattr(cpu, "idle_cores", lambda window=cpu.WINDOW: 7.9)  # never more than torch's default
+    assert cpu.choose_threads(None, default=2)[0] == 2
+    assert cpu.choose_threads(3, default=2) == (3, "asked for")
+
+
+def test_a_run_restores_torchs_threads_and_reports_its_own(tiny_bert, tmp_path):
+    from collab_convert import CompressOptions, compress
+
+    before = torch.get_num_threads()
+    result = compress(str(tiny_bert), CompressOptions(rank=16, output=tmp_path / "out", threads=1, plots=False))
+    assert torch.get_num_threads() == before
+    assert result.threads == {"threads": 1, "why": "asked for"}
+    assert "CPU threads: 1 (asked for)" in (tmp_path / "out" / "report.md").read_text()
