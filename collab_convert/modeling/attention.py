@@ -119,7 +119,11 @@ def shared_key_attention(module, query, key, value, attention_mask, scaling=None
         attention_mask = None
     scores += per_key
     _mask_in_place(scores, attention_mask, module, kwargs.get("is_causal"))
-    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    if scores.dtype == torch.float32 and not (torch.is_grad_enabled() and scores.requires_grad):
+        # inference: softmax over the scores in place, no second (B, N_h, n, m) tensor to allocate and fill
+        weights = torch.softmax(scores, dim=-1, out=scores).to(value.dtype)
+    else:
+        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     if value.shape[1] not in (1, heads):  # grouped values: one per query head
         value = value.repeat_interleave(heads // value.shape[1], dim=1)
