@@ -72,3 +72,39 @@ def test_output_checks_refuse_overlap_and_occupied_folders(tmp_path):
     with pytest.raises(OutputExistsError, match="--overwrite"):
         check_output(occupied, source, overwrite=False)
     check_output(occupied, source, overwrite=True)
+
+
+@pytest.mark.parametrize("kernel", ["whole", "partial then refused", "unavailable"])
+def test_copied_tensors_are_byte_identical_however_the_kernel_copies(tmp_path, monkeypatch, kernel):
+    import os
+
+    source = tmp_path / "in"
+    source.mkdir()
+    tensors_in = {"a": torch.arange(10, dtype=torch.float32), "b": torch.arange(1000, dtype=torch.bfloat16),
+                  "c": torch.ones(3, 4, dtype=torch.float16)}
+    specs = [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors_in.items()]
+    writer = ShardWriter(source, specs)
+    for name, tensor in tensors_in.items():
+        writer.add(name, tensor)
+    writer.finish()
+    real = getattr(os, "copy_file_range", None)
+    if kernel == "partial then refused" and real is not None:
+        calls = []
+
+        def partial(src, dst, count, offset_src=None, *args):
+            if calls:
+                raise OSError(18, "cross-device")
+            calls.append(1)
+            return real(src, dst, max(count // 3, 1), offset_src)
+
+        monkeypatch.setattr(os, "copy_file_range", partial)
+    elif kernel == "unavailable":
+        monkeypatch.delattr(os, "copy_file_range", raising=False)
+    reader = TensorReader(source)
+    out = tmp_path / "out"
+    out.mkdir()
+    copy = ShardWriter(out, [reader.spec(name) for name in reader.names()])
+    for name in reader.names():
+        copy.copy_bytes(reader.spec(name), reader.byte_range(name), chunk=7)
+    copy.finish()
+    assert (out / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
