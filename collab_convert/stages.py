@@ -115,7 +115,7 @@ def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], p
     elif not options.refine_steps or not refine:
         refinement = "off"
     else:
-        refinement = f"not available for {source.family.name} (position bias or scaling)"
+        refinement = f"not available for {source.family.name} (its scores carry a relative position bias)"
     calibration = {
         "source": str(options.calibration),
         "examples": batches.texts,
@@ -199,12 +199,19 @@ def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[
             continue
         target = AttentionTarget(metric.query_samples, metric.key_samples, projections.query_weight,
                                  projections.query_bias, projections.key_weight, layer.shape.num_heads,
-                                 layer.shape.head_dim**-0.5, layer.causal)
+                                 score_scale(layer, metric), layer.causal)
         losses.append(target.held_out_kl((fit.factors.shared_query, fit.factors.shared_key, fit.factors.mixing, bias)))
     steps = dict(zip(fits, share_steps(losses, options.refine_steps * len(source.layers)), strict=True))
     if finished:
         finished.save_plan(steps)
     return fits, steps
+
+
+def score_scale(layer: AttentionLayer, metric) -> float:
+    """What the layer multiplies its scores by: the module's own `scaling` where calibration read one (GPT-2's
+    per-layer and optional scalings included), else 1/sqrt(d_k)."""
+    scaling = getattr(metric, "scaling", None)
+    return scaling if scaling is not None else layer.shape.head_dim**-0.5
 
 
 def _fit(source: SourceModel, layer: AttentionLayer, options: CompressOptions, rank: int, metric, progress: Progress,
@@ -338,7 +345,7 @@ def _refine(projections: Projections, layer: AttentionLayer, fit: LayerFit, bias
     progress(f"refining{DETAIL}{label}", before, total)
     refined = refine_attention(
         metric.query_samples, metric.key_samples, projections.query_weight, projections.query_bias,
-        projections.key_weight, fit.factors, bias, layer.shape.num_heads, layer.shape.head_dim**-0.5,
+        projections.key_weight, fit.factors, bias, layer.shape.num_heads, score_scale(layer, metric),
         causal=layer.causal, steps=steps[layer.prefix], seed=seed, on_check=on_check,
     )
     return {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,

@@ -125,7 +125,8 @@ FAMILIES: tuple[Family, ...] = (
             ("reorder_and_upcast_attn", (None, False), "its upcast path multiplies the per-head queries and keys"),
             ("add_cross_attention", (None, False), "its cross-attention fuses keys with values differently"),
         ),
-        refinable=False,  # scale_attn_weights / scale_attn_by_inverse_layer_idx change the score scale
+        # scale_attn_weights / scale_attn_by_inverse_layer_idx set the module's `scaling`, which calibration
+        # reads and refinement uses
     ),
     Family(
         # Multi-query attention: every query head reads one shared key/value head.
@@ -139,7 +140,7 @@ FAMILIES: tuple[Family, ...] = (
             ("multi_query", (None, True), "its multi-head variant interleaves q/k/v per head in c_attn"),
             ("add_cross_attention", (None, False), "its cross-attention splits keys and values differently"),
         ),
-        refinable=False,  # scale_attn_weights changes the score scale
+        # scale_attn_weights sets the module's `scaling`, which calibration reads and refinement uses
     ),
     Family(
         name="opt",

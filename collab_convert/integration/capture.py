@@ -30,6 +30,9 @@ class LayerCalibration:
     key: InputMetric
     query_samples: list  # per sequence (n, D) float16, for refinement
     key_samples: list
+    # the module's own score scale (transformers' `scaling`: 1/sqrt(d_k), or GPT-2's per-layer and optional
+    # scalings), read from the module the statistics came from; None where the module has none
+    scaling: float | None = None
 
 
 @dataclass
@@ -115,6 +118,7 @@ class _Moments:
     directions; each batch's product runs in float32 (one GEMM), the sums are kept in float64."""
 
     keep: int = 0  # raw sequences to keep for refinement
+    scaling: float | None = None
     query_shift: torch.Tensor | None = None
     query_sum: torch.Tensor | None = None
     query_outer: torch.Tensor | None = None
@@ -158,7 +162,7 @@ class _Moments:
         key_cov = self.key_outer / max(self.key_count, 1)
         key_metric = InputMetric(key_cov, torch.zeros(key_cov.shape[0], dtype=key_cov.dtype))
         return LayerCalibration(InputMetric(query_cov, mean + self.query_shift.double()), key_metric,
-                                self.query_samples, self.key_samples)
+                                self.query_samples, self.key_samples, self.scaling)
 
 
 def _tokenizer(folder: Path):
@@ -209,6 +213,8 @@ def _attach_hooks(model, family, moments: dict[str, _Moments], current: _Current
         prefix = wanted.get(strip_prefix(name, base))
         if prefix is None:
             continue
+        scaling = getattr(module, "scaling", None)
+        moments[prefix].scaling = float(scaling) if isinstance(scaling, (int, float)) else None
         adders = {"query": moments[prefix].add_query, "key": moments[prefix].add_key}
         for point, sides in family.layout.hook_points(module):
             handles.append(point.register_forward_pre_hook(_hook(current, *(adders[side] for side in sides))))

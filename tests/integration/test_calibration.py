@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -142,3 +143,33 @@ def test_verify_language_model_metrics(tmp_path, calibration_file):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["top1_agreement"] >= 0.99 and report["kl_mean"] < 1e-4
+
+
+def test_gpt2_refines_with_its_own_per_layer_scaling(tmp_path, calibration_file):
+    """GPT-2 may scale scores by 1/(layer + 1) on top of 1/sqrt(d_k): calibration reads each module's own
+    scaling, so the refinement reproduces the attention the model really computes."""
+    import transformers as T
+
+    from collab_convert.architectures.source import open_model
+    from collab_convert.integration.capture import collect_statistics
+    from fixtures.models import save_tiny_tokenizer
+
+    torch.manual_seed(0)
+    folder = tmp_path / "gpt2"
+    config = T.GPT2Config(vocab_size=120, n_embd=32, n_layer=2, n_head=4, n_positions=160,
+                          scale_attn_by_inverse_layer_idx=True)
+    T.GPT2LMHeadModel(config).save_pretrained(folder)
+    save_tiny_tokenizer(folder)
+    source = open_model(str(folder))
+    try:
+        prefixes = [layer.prefix for layer in source.layers]
+        statistics, _ = collect_statistics(source.folder, source.family, prefixes, ["the cat sat on a mat"] * 4)
+    finally:
+        source.close()
+    head_dim = 32 // 4
+    assert [statistics[p].scaling for p in prefixes] == pytest.approx([head_dim**-0.5, head_dim**-0.5 / 2])
+    result = compress(str(folder), CompressOptions(rank=4, output=tmp_path / "out", calibration=calibration_file,
+                                                   refine_steps=40, plots=False))
+    assert all(layer.refinement and layer.refinement["kl_after"] <= layer.refinement["kl_before"]
+               for layer in result.layers)
+    assert "not available" not in result.calibration["refinement"]
