@@ -50,7 +50,7 @@ result = compress(sys.argv[1], CompressOptions(key_cache=float(sys.argv[3]), out
 seconds = time.perf_counter() - started
 running[0] = False
 print(json.dumps({"peak": peak[0] - baseline, "peak_anon": peak_anon[0] - baseline_anon, "seconds": seconds,
-                  "fits": sum(layer.seconds for layer in result.layers)}))
+                  "fits": sum(layer.seconds for layer in result.layers), "threads": result.threads}))
 """
 
 
@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--key-cache", type=float, default=0.5)
     args = parser.parse_args()
     print(f"{'shape':<10} {'checkpoint':>10} {'seconds':>8} {'fits':>6} {'rest':>6} {'peak':>9} {'share':>6} "
-          f"{'anon peak':>10} {'share':>6}")
+          f"{'anon peak':>10} {'share':>6}  threads")
     for name in args.shapes.split(","):
         with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parents[1] / "data") as scratch:
             source = Path(scratch) / name
@@ -105,7 +105,8 @@ def main() -> None:
             gib = 2**30
             print(f"{name:<10} {size / gib:>8.2f} G {found['seconds']:>8.1f} {found['fits']:>6.1f} "
                   f"{found['seconds'] - found['fits']:>6.1f} {found['peak'] / gib:>7.2f} G {found['peak'] / size:>6.2f} "
-                  f"{found['peak_anon'] / gib:>8.2f} G {found['peak_anon'] / size:>6.2f}", flush=True)
+                  f"{found['peak_anon'] / gib:>8.2f} G {found['peak_anon'] / size:>6.2f}  "
+                  f"{found['threads']['threads']} ({found['threads']['why']})", flush=True)
 
 
 if __name__ == "__main__":
