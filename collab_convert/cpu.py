@@ -14,6 +14,8 @@ import os
 import time
 
 WINDOW = 0.2  # seconds of /proc/stat to judge the idle cores by
+REUSE = 30.0  # seconds one measurement serves later jobs in the same process (a loop of compress calls)
+_measured: tuple[float, float | None] | None = None  # (when, idle cores)
 
 
 def _cpu_ticks() -> tuple[int, int] | None:
@@ -41,9 +43,12 @@ def idle_cores(window: float = WINDOW) -> float | None:
 
 def choose_threads(requested: int | None, default: int) -> tuple[int, str]:
     """(threads, why) for the math: `requested` if given, else the idle cores rounded, within 1..default."""
+    global _measured
     if requested is not None:
         return requested, "asked for"
-    idle = idle_cores()
+    if _measured is None or time.monotonic() - _measured[0] > REUSE:
+        _measured = (time.monotonic(), idle_cores())
+    idle = _measured[1]
     if idle is None:
         return default, "torch's default (idle cores unknown here)"
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else default

@@ -43,7 +43,7 @@ from .io.tensors import parse_size
 from .options import CompressOptions
 from .progress import DETAIL, Progress
 from .results import LayerReport, rounded
-from .stages import stream_weights
+from .stages import layer_labels, stream_weights
 
 
 def geometry_of(layer: AttentionLayer) -> RotaryGeometry:
@@ -219,11 +219,12 @@ def convert_rotary_weights(source: SourceModel, options: CompressOptions, folder
         return layout.output_specs(source.reader, layer, r.width, sum(r.frequency_ranks), r.pass_rank,
                                    layer.shape.head_dim - layer.rotary_dim, normed)
 
+    labels = layer_labels(source)
+
     def fit(layer: AttentionLayer):
-        index = source.layers.index(layer)
         calibration = calibrations[layer.prefix] if calibrations else None
         stage = "refining" if calibration is not None and calibration.samples and options.refine_steps else "fitting"
-        progress(f"{stage}{DETAIL}layer {index + 1}/{len(source.layers)}", index, len(source.layers))
+        progress(f"{stage}{DETAIL}{labels[layer.prefix]}", source.layers.index(layer), len(source.layers))
         return _fit_layer(source, layer, ranks[layer.prefix], statistics[layer.prefix], normed, calibration,
                           options)
 

@@ -155,7 +155,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
     fits, steps = {}, {}
     if metrics and options.refine_steps and any(m.query_samples for m in metrics.values()):
         fits, steps = refinement_steps(source, options, ranks, metrics, progress, finished)
-    labels = {layer.prefix: f"layer {index + 1}/{len(source.layers)}" for index, layer in enumerate(source.layers)}
+    labels = layer_labels(source)
 
     def specs(layer: AttentionLayer) -> list[TensorSpec]:
         return source.family.layout.output_specs(source.reader, layer, ranks[layer.prefix])
@@ -189,7 +189,7 @@ def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[
     saved = finished.load_plan() if finished else None
     if saved is not None:
         return {}, saved
-    labels = {layer.prefix: f"layer {index + 1}/{len(source.layers)}" for index, layer in enumerate(source.layers)}
+    labels = layer_labels(source)
     fits, losses = {}, []
     for layer in source.layers:
         rank, metric = ranks[layer.prefix], metrics[layer.prefix]
@@ -205,6 +205,11 @@ def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[
     if finished:
         finished.save_plan(steps)
     return fits, steps
+
+
+def layer_labels(source: SourceModel) -> dict[str, str]:
+    """'layer k/L' by prefix, in the order the layers are written: what progress shows."""
+    return {layer.prefix: f"layer {index + 1}/{len(source.layers)}" for index, layer in enumerate(source.layers)}
 
 
 def score_scale(layer: AttentionLayer, metric) -> float:

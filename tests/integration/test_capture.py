@@ -63,6 +63,7 @@ def test_the_report_records_the_tokens(tiny_bert, calibration_file, tmp_path):
 def test_threads_follow_the_idle_cores_unless_asked(monkeypatch):
     from collab_convert import cpu
 
+    monkeypatch.setattr(cpu, "REUSE", -1.0)  # measure every time
     monkeypatch.setattr(cpu, "idle_cores", lambda window=cpu.WINDOW: 1.1)  # a neighbour holds one of two cores
     assert cpu.choose_threads(None, default=2)[0] == 1
     monkeypatch.setattr(cpu, "idle_cores", lambda window=cpu.WINDOW: 0.2)  # never fewer than one
