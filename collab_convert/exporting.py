@@ -17,6 +17,8 @@ from .options import ExportOptions
 from .progress import Progress, no_progress
 from .results import ExportResult
 
+COMPRESS_PLOTS = frozenset({"spectra.png", "errors.png"})
+
 
 def export(model: str, options: ExportOptions, progress: Progress = no_progress) -> ExportResult:
     """Write `model` as ONNX into options.output, after checking onnxruntime reproduces PyTorch on real text
@@ -49,7 +51,8 @@ def export(model: str, options: ExportOptions, progress: Progress = no_progress)
         if not check.max_abs_difference <= options.tolerance:
             raise BadInputError(f"onnxruntime differs from PyTorch by {check.max_abs_difference:.2e} (more than "
                                 f"--tolerance {options.tolerance:g}); nothing was written")
-        files = ["model.onnx"] + copy_non_weight_files(folder, staged.folder)
+        # compress's pictures describe the fit, not the runtime model
+        files = ["model.onnx"] + copy_non_weight_files(folder, staged.folder, COMPRESS_PLOTS)
         if (folder / "config.json").is_file():  # runtimes (optimum, transformers.js) read the model type there
             shutil.copy2(folder / "config.json", staged.folder / "config.json")
             files.append("config.json")

@@ -98,14 +98,16 @@ def is_weight_file(relative: str) -> bool:
     return any(re.fullmatch(p, name) for p in WEIGHT_FILE_PATTERNS)
 
 
-def copy_non_weight_files(source: Path, target: Path) -> list[str]:
-    """Tokenizer, generation config, sentence-transformers modules and pooling folders: everything else."""
+def copy_non_weight_files(source: Path, target: Path, exclude: frozenset[str] = frozenset()) -> list[str]:
+    """Tokenizer, generation config, sentence-transformers modules and pooling folders: everything else, but
+    the relative paths in `exclude`."""
     copied = []
     for path in sorted(source.rglob("*")):
         relative = path.relative_to(source).as_posix()
         if path.is_dir() or relative.startswith(".") or "/." in relative:
             continue
-        if relative in REGENERATED_FILES or is_weight_file(relative) or relative.endswith("training_args.bin"):
+        if (relative in REGENERATED_FILES or relative in exclude or is_weight_file(relative)
+                or relative.endswith("training_args.bin")):
             continue
         destination = target / relative
         destination.parent.mkdir(parents=True, exist_ok=True)
