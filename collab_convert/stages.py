@@ -163,8 +163,10 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
     def fit(layer: AttentionLayer):
         started = time.perf_counter()
         rank, metric = ranks[layer.prefix], metrics[layer.prefix] if metrics else None
-        fitted = fits.pop(layer.prefix, None) or _fit(source, layer, options, rank, metric, progress, labels)
-        projections, layer_fit, bias = fitted
+        fitted = fits.pop(layer.prefix, None)
+        if fitted is not None:  # fitted ahead, when the refinement steps were shared out: count that time too
+            started -= fitted[3]
+        projections, layer_fit, bias = (fitted or _fit(source, layer, options, rank, metric, progress, labels))[:3]
         refinement = None
         if steps.get(layer.prefix) and rank < layer.shape.key_dim:
             refinement = _refine(projections, layer, layer_fit, bias, metric, steps, labels, options.seed, progress)
@@ -180,7 +182,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
 
 def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[str, int], metrics, progress: Progress,
                      finished: "FinishedLayers | None" = None):
-    """(fits by layer, refinement steps by layer): each layer fitted, its held-out attention KL measured, and
+    """(fits by layer as (projections, fit, content bias, seconds), refinement steps by layer): each layer fitted, its held-out attention KL measured, and
     `refine_steps` x layers steps shared out in proportion to those KLs (decompose/refinement.share_steps). A
     resumed run reuses the split it saved, so its output stays byte-identical; its layers are fitted again as
     they come."""
@@ -193,7 +195,9 @@ def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[
     fits, losses = {}, []
     for layer in source.layers:
         rank, metric = ranks[layer.prefix], metrics[layer.prefix]
-        fits[layer.prefix] = projections, fit, bias = _fit(source, layer, options, rank, metric, progress, labels)
+        started = time.perf_counter()
+        projections, fit, bias = _fit(source, layer, options, rank, metric, progress, labels)
+        fits[layer.prefix] = projections, fit, bias, time.perf_counter() - started
         if rank >= layer.shape.key_dim or not metric.query_samples:
             losses.append(0.0)
             continue
