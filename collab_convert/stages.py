@@ -182,10 +182,10 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
 
 def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[str, int], metrics, progress: Progress,
                      finished: "FinishedLayers | None" = None):
-    """(fits by layer as (projections, fit, content bias, seconds), refinement steps by layer): each layer fitted, its held-out attention KL measured, and
-    `refine_steps` x layers steps shared out in proportion to those KLs (decompose/refinement.share_steps). A
-    resumed run reuses the split it saved, so its output stays byte-identical; its layers are fitted again as
-    they come."""
+    """(fits by layer as (projections, fit, content bias, seconds), refinement steps by layer): each layer
+    fitted, its held-out attention KL measured, and `refine_steps` x layers steps shared out in proportion to
+    those KLs (decompose/refinement.share_steps). A resumed run reuses the split it saved, so its output stays
+    byte-identical; its layers are fitted again as they come."""
     from .decompose.refinement import AttentionTarget, share_steps
 
     saved = finished.load_plan() if finished else None
