@@ -94,14 +94,10 @@ def _inputs(folder: Path, wrapper):
     built-in sentences, padded; the example is two of them, so batch and length are traced as dynamic."""
     import inspect
 
-    from transformers import AutoTokenizer
-
+    from .integration.loading import load_tokenizer
     from .predict import default_probe
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except Exception as error:  # noqa: BLE001 - many ways for a tokenizer to be missing or broken
-        raise BadInputError(f"export needs the model's tokenizer to check the result: {error}") from None
+    tokenizer = load_tokenizer(folder, "export (to check its result)")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     texts = default_probe().texts

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .architectures.source import SourceModel
-from .errors import BadInputError
 from .options import CompressOptions
 from .progress import Progress, no_progress
 from .stages import ProbeTexts, convert_weights, write_format_config
@@ -46,15 +45,14 @@ class FidelityEstimator:
     """Embedding cosine of the collaborative model to the original, at any rank, on fixed probe texts."""
 
     def __init__(self, source: SourceModel, options: CompressOptions, probe: ProbeTexts, metrics=None):
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoModel
+
+        from .integration.loading import load_tokenizer
 
         from .integration.fidelity import sentence_embeddings
 
         self.source, self.options, self.probe, self.metrics = source, options, probe, metrics
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(source.folder)
-        except Exception as error:  # noqa: BLE001 - many ways for a tokenizer to be missing or broken
-            raise BadInputError(f"a fidelity estimate needs the model's tokenizer: {error}") from None
+        self.tokenizer = load_tokenizer(source.folder, "a fidelity estimate")
         original = AutoModel.from_pretrained(source.folder).eval()
         self.reference = sentence_embeddings(original, self.tokenizer, probe.texts,
                                              max_length=options.calibration_max_length)

@@ -166,12 +166,9 @@ class _Moments:
 
 
 def _tokenizer(folder: Path):
-    from transformers import AutoTokenizer
+    from .loading import load_tokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(folder)
-    except Exception as error:  # noqa: BLE001 - many ways for a tokenizer to be missing or broken
-        raise BadInputError(f"calibration needs the model's tokenizer, which could not be loaded: {error}") from None
+    return load_tokenizer(folder, "calibration")
 
 
 def collect_statistics(

@@ -79,18 +79,14 @@ def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: i
 def verify(model: str, against: str, texts: list[str], thresholds: dict[str, float] | None = None,
            max_length: int = 128, progress=None) -> VerifyResult:
     """Load both checkpoints and compare them on `texts`; list every threshold that fails."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from ..io.folders import resolve_model
-    from ..errors import BadInputError
-    from .loading import register
+    from .loading import load_tokenizer, register
 
     register()
     folder, base_folder = resolve_model(model), resolve_model(against)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except Exception as error:  # noqa: BLE001
-        raise BadInputError(f"{model} has no usable tokenizer: {error}") from None
+    tokenizer = load_tokenizer(folder, f"verifying {model}")
     config = AutoConfig.from_pretrained(base_folder)
     causal = is_language_model(config.architectures)
     base = AutoModel.from_pretrained(base_folder).eval()

@@ -24,6 +24,7 @@ from transformers.quantizers.auto import (
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..architectures.families import family_named
+from ..errors import BadInputError
 from ..format import QUANT_METHOD, FormatConfig
 from ..modeling.collaborative import collaborate_model
 
@@ -96,6 +97,16 @@ def register() -> None:
         register_quantization_config(QUANT_METHOD)(CollaborativeConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(QUANT_METHOD)(CollaborativeQuantizer)
+
+
+def load_tokenizer(folder, needed_for: str):
+    """The model's tokenizer, or a one-line error saying what needed it (`needed_for`, e.g. "calibration")."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as error:  # noqa: BLE001 - many ways for a tokenizer to be missing or broken
+        raise BadInputError(f"{needed_for} needs the model's tokenizer, which could not be loaded: {error}") from None
 
 
 def load_model(path, auto_class=None, **kwargs):
