@@ -7,7 +7,12 @@ compression of a one-layer model of the same width (one-time lazy loading of lib
 grows with the model). Streaming means: one input shard mapped, one layer's math and
 one tensor in flight at a time, so the peak stays flat as the model grows.
 
-    python benchmarks/memory.py
+    python benchmarks/memory.py [--calibration DOCUMENTS]
+
+--calibration N compresses with calibration on N Brown documents (about 200 words each, see
+calibration_documents.py) and the default refinement: the model then runs on text, a block at a time, its
+statistics, samples and fits waiting on disk. The models get GPT-2's vocabulary size and all-MiniLM-L6-v2's
+tokenizer (any tokenizer whose ids fit the vocabulary serves: the weights are random).
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ import json, sys, threading, time
 import collab_convert, torch, matplotlib.pyplot  # imports are the baseline, not the work
 from pathlib import Path
 
+settings = json.loads(sys.argv[5])
 # Warm-up on a one-layer model of the same shape: lazily loaded library code (LAPACK, the safetensors
 # reader, matplotlib's renderer) and allocator arenas are paid once per process, whatever the model size.
 collab_convert.compress(sys.argv[4], collab_convert.CompressOptions(
-    rank=int(sys.argv[3]), output=Path(sys.argv[2] + "-warmup"), max_shard_size="100MB"))
+    rank=int(sys.argv[3]), output=Path(sys.argv[2] + "-warmup"), max_shard_size="100MB", **settings))
 
 def rss():
     for line in open("/proc/self/status"):
@@ -43,24 +49,33 @@ def sample():
 threading.Thread(target=sample, daemon=True).start()
 started = time.perf_counter()
 result = collab_convert.compress(sys.argv[1], collab_convert.CompressOptions(
-    rank=int(sys.argv[3]), output=Path(sys.argv[2]), max_shard_size="100MB"))
+    rank=int(sys.argv[3]), output=Path(sys.argv[2]), max_shard_size="100MB", **settings))
 seconds = time.perf_counter() - started
 running[0] = False
 peak[0] = max(peak[0], rss())
-print(json.dumps({"baseline": baseline, "peak": peak[0], "seconds": seconds,
+print(json.dumps({"baseline": baseline, "peak": peak[0], "seconds": seconds, "stages": result.stage_seconds,
                   "files": [f for f in result.files if f.endswith(".safetensors")]}))
 """
 
 
-def build(folder: Path, layers: int) -> int:
+def build(folder: Path, layers: int, with_tokenizer: bool = False) -> int:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_embd=1024, n_layer=layers, n_head=16, n_positions=1024, vocab_size=1000,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(n_embd=1024, n_layer=layers, n_head=16, n_positions=1024,
+                        vocab_size=50257 if with_tokenizer else 1000, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config).to(torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="100MB")
+    if with_tokenizer:
+        import shutil
+
+        import collab_convert.io.folders as folders
+
+        minilm = folders.resolve_model("sentence-transformers/all-MiniLM-L6-v2")
+        for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+            if (minilm / name).is_file():
+                shutil.copy(minilm / name, folder / name)
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 
@@ -68,24 +83,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="12,24", help="model depths to measure")
     parser.add_argument("--rank", type=int, default=512)
+    parser.add_argument("--calibration", type=int, default=0, help="calibrate on this many Brown documents")
+    parser.add_argument("--refine-steps", type=int, default=20,
+                        help="with --calibration: refinement steps per layer (memory does not grow with them)")
     args = parser.parse_args()
+    settings = {}
     print(f"{'layers':>6} {'checkpoint':>11} {'shards':>7} {'peak above baseline':>20} {'share':>7} {'seconds':>8}")
     with tempfile.TemporaryDirectory() as scratch:
+        if args.calibration:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from calibration_documents import documents
+
+            texts = Path(scratch) / "documents.txt"
+            fitted, held_out = documents()
+            texts.write_text("\n".join(fitted[: args.calibration] + held_out[:32]) + "\n")
+            settings = {"calibration": str(texts), "calibration_samples": args.calibration,
+                        "refine_steps": args.refine_steps}
+            print(f"calibration: {args.calibration} documents, fidelity measured on 32 held-out ones")
         warmup = Path(scratch) / "gpt2-warmup"
-        build(warmup, 1)
+        build(warmup, 1, bool(args.calibration))
         for layers in [int(n) for n in args.layers.split(",")]:
             source = Path(scratch) / f"gpt2-{layers}"
-            size = build(source, layers)
+            size = build(source, layers, bool(args.calibration))
             shards = len(list(source.glob("*.safetensors")))
             output = Path(scratch) / f"out-{layers}"
             run = subprocess.run(
-                [sys.executable, "-c", MEASURE, str(source), str(output), str(args.rank), str(warmup)],
+                [sys.executable, "-c", MEASURE, str(source), str(output), str(args.rank), str(warmup), json.dumps(settings)],
                 capture_output=True, text=True, check=True,
             )
             measured = json.loads(run.stdout.strip().splitlines()[-1])
             above = measured["peak"] - measured["baseline"]
             print(f"{layers:>6} {size / 1e6:>9.0f}MB {shards:>7} {above / 1e6:>18.0f}MB {above / size:>7.1%} "
                   f"{measured['seconds']:>8.1f}")
+            print("        seconds per stage: " + ", ".join(f"{k} {v:.1f}" for k, v in measured["stages"].items()))
     print("\ntarget: peak above baseline under half the checkpoint size, and flat as models grow")
 
 

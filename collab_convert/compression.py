@@ -51,9 +51,10 @@ def _check(source: SourceModel, options: CompressOptions, ranks: dict[str, int] 
 
 def compress(model: str, options: CompressOptions, progress: Progress = no_progress) -> CompressResult:
     """Re-parametrize every attention layer into collaborative form and write a complete checkpoint."""
-    from .cpu import math_threads
+    from .cpu import math_threads, return_freed_memory
     from .integration import loading  # noqa: F401 - transformers' lazy imports land here, before the clock starts
 
+    return_freed_memory()
     with math_threads(options.threads) as (threads, why):
         return _compress(model, options, progress, {"threads": threads, "why": why})
 
@@ -66,46 +67,55 @@ def _compress(model: str, options: CompressOptions, progress: Progress, threads:
     source = open_model(model)
     progress("opening the model", 1, 1)
     try:
-        _check(source, options)  # refuse bad input before the costly calibration
-        metrics, calibration, held_out, fitted = None, None, None, None
-        if options.calibration is not None:
-            fitted, held_out = calibration_texts(options)
-            if not source.family.is_rotary:
-                metrics, calibration = calibrate(source, options, fitted, progress)
-        ranks = None
-        if source.family.is_rotary:
-            convert, write_record, calibration, rank_choice = _rotary(source, options, fitted, progress)
-            estimator = _estimator(source, options, None, held_out)
-        else:
-            estimator = _estimator(source, options, metrics, held_out)
-            ranks, rank_choice = choose_ranks(source, options, metrics, estimator, progress)
-
-            def convert(folder, finished):
-                return convert_weights(source, options, folder, progress, ranks, metrics, finished)
-
-            def write_record(reports, folder, method):
-                write_format_config(source, reports, folder, method)
-        output = Path(_check(source, options, ranks).output)
+        output = Path(_check(source, options).output)  # refuse bad input before the costly calibration
         with StagedOutput(output, options.overwrite, options.resume) as staged:
-            reports, files = convert(staged.folder, FinishedLayers(staged.finished_work))
-            files += copy_non_weight_files(source.folder, staged.folder)
-            result = CompressResult(
-                model=model, output=str(output), family=source.family.name, method=options.method,
-                layers=reports, files=[], seconds=0.0, calibration=calibration, rank_choice=rank_choice,
-                threads=threads,
-            )
-            write_record(reports, staged.folder, result.method + ("+calibrated" if calibration else ""))
-            if held_out is not None and estimator is not None:  # calibration lends lines to measure the result on
-                progress("measuring fidelity", 0, 1)
-                result.fidelity = estimator.measured(staged.folder)
-                progress("measuring fidelity", 1, 1)
-            progress("writing reports and plots", 0, 1)
-            files += ["config.json"] + _write_reports(result, source, staged.folder, started, options.plots, progress)
-            progress("writing reports and plots", 1, 1)
-            result.files = sorted(files)
-            staged.commit()
+            result = _stages(source, model, options, progress, staged, threads, started)
     finally:
         source.close()
+    return result
+
+
+def _stages(source: SourceModel, model: str, options: CompressOptions, progress: StageClock, staged: StagedOutput,
+            threads: dict[str, Any], started: float) -> CompressResult:
+    """Everything after the checks, inside the staging folder (its scratch space holds what a block-at-a-time
+    calibration keeps on disk)."""
+    metrics, calibration, held_out, fitted = None, None, None, None
+    if options.calibration is not None:
+        fitted, held_out = calibration_texts(options)
+        if not source.family.is_rotary:
+            metrics, calibration = calibrate(source, options, fitted, progress, scratch=staged.scratch)
+    ranks = None
+    if source.family.is_rotary:
+        convert, write_record, calibration, rank_choice = _rotary(source, options, fitted, progress)
+        estimator = _estimator(source, options, None, held_out)
+    else:
+        estimator = _estimator(source, options, metrics, held_out)
+        ranks, rank_choice = choose_ranks(source, options, metrics, estimator, progress)
+
+        def convert(folder, finished):
+            return convert_weights(source, options, folder, progress, ranks, metrics, finished)
+
+        def write_record(reports, folder, method):
+            write_format_config(source, reports, folder, method)
+    _check(source, options, ranks)
+    reports, files = convert(staged.folder, FinishedLayers(staged.finished_work))
+    staged.drop_scratch()
+    files += copy_non_weight_files(source.folder, staged.folder)
+    result = CompressResult(
+        model=model, output=str(staged.output), family=source.family.name, method=options.method,
+        layers=reports, files=[], seconds=0.0, calibration=calibration, rank_choice=rank_choice,
+        threads=threads,
+    )
+    write_record(reports, staged.folder, result.method + ("+calibrated" if calibration else ""))
+    if held_out is not None and estimator is not None:  # calibration lends lines to measure the result on
+        progress("measuring fidelity", 0, 1)
+        result.fidelity = estimator.measured(staged.folder)
+        progress("measuring fidelity", 1, 1)
+    progress("writing reports and plots", 0, 1)
+    files += ["config.json"] + _write_reports(result, source, staged.folder, started, options.plots, progress)
+    progress("writing reports and plots", 1, 1)
+    result.files = sorted(files)
+    staged.commit()
     return result
 
 

@@ -69,3 +69,25 @@ def math_threads(requested: int | None):
         yield threads, why
     finally:
         torch.set_num_threads(default)
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD = 1 << 20
+
+
+def return_freed_memory() -> bool:
+    """Have glibc give large freed blocks back to the system at once.
+
+    By default glibc raises its mmap threshold each time a large block is freed, so later large tensors come
+    from the heap, which it rarely shrinks: running a model block after block then grew a process by hundreds
+    of MB of memory it no longer used (measured: 300 -> 836 MB over four passes of a 12-block GPT-2; flat at
+    300 MB with a fixed threshold). A fixed 1 MiB threshold keeps every tensor-sized block mmapped, returned
+    when freed. Returns whether it applied (glibc only)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False

@@ -42,19 +42,24 @@ def can_measure(source: SourceModel) -> bool:
 
 
 class FidelityEstimator:
-    """Embedding cosine of the collaborative model to the original, at any rank, on fixed probe texts."""
+    """Embedding cosine of the collaborative model to the original, at any rank, on fixed probe texts. Models are
+    loaded in float32 with their blocks offloaded to disk (one block in memory as it runs), so measuring a model
+    does not hold it, or two of it, in memory."""
 
     def __init__(self, source: SourceModel, options: CompressOptions, probe: ProbeTexts, metrics=None):
-        from transformers import AutoModel
-
-        from .integration.loading import load_tokenizer
-
         from .integration.fidelity import sentence_embeddings
+        from .integration.layerwise import load_offloaded
+        from .integration.loading import load_tokenizer
 
         self.source, self.options, self.probe, self.metrics = source, options, probe, metrics
         self.tokenizer = load_tokenizer(source.folder, "a fidelity estimate")
-        original = AutoModel.from_pretrained(source.folder).eval()
-        self.reference = sentence_embeddings(original, self.tokenizer, probe.texts,
+        from .integration.capture import batch_tokens
+
+        # as many texts per forward pass as keep a block's activations small (calibration's batch size)
+        width = max(layer.shape.input_dim for layer in source.layers)
+        self.batch_size = max(1, batch_tokens(width) // options.calibration_max_length)
+        original = load_offloaded(source.folder)
+        self.reference = sentence_embeddings(original, self.tokenizer, probe.texts, batch_size=self.batch_size,
                                              max_length=options.calibration_max_length)
         self.cache: dict[int, Estimate] = {}
 
@@ -74,15 +79,13 @@ class FidelityEstimator:
 
     def cosines(self, folder: Path) -> tuple[float, float]:
         """Mean and 1st-percentile cosine of a written collaborative checkpoint's embeddings to the original's."""
-        from transformers import AutoModel
-
         from .integration.fidelity import cosine_stats, sentence_embeddings
-        from .integration.loading import register
+        from .integration.layerwise import load_offloaded
 
-        register()
-        model = AutoModel.from_pretrained(folder).eval()
+        model = load_offloaded(folder)
         stats = cosine_stats(self.reference, sentence_embeddings(
-            model, self.tokenizer, self.probe.texts, max_length=self.options.calibration_max_length))
+            model, self.tokenizer, self.probe.texts, batch_size=self.batch_size,
+            max_length=self.options.calibration_max_length))
         return stats.mean, stats.p01
 
     def measured(self, folder: Path) -> dict:
@@ -95,9 +98,10 @@ class FidelityEstimator:
         if is_language_model(self.source.config.get("architectures")):
             from transformers import AutoModelForCausalLM
 
+            from .integration.layerwise import load_offloaded
+
             figures["top1_agreement"], figures["kl_mean"] = next_token_agreement(
-                AutoModelForCausalLM.from_pretrained(folder).eval(),
-                AutoModelForCausalLM.from_pretrained(self.source.folder).eval(),
+                load_offloaded(folder, AutoModelForCausalLM), load_offloaded(self.source.folder, AutoModelForCausalLM),
                 self.tokenizer, self.probe.texts, self.options.calibration_max_length,
             )
         return figures

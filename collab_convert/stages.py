@@ -20,6 +20,7 @@ from .decompose.products import content_bias, relative_error
 from .errors import BadInputError
 from .format import FormatConfig, HeadCounts, collaborative_tensors, write_config
 from .io.folders import check_output
+from .io.spill import SpillFolder
 from .io.tensors import ShardWriter, TensorSpec, parse_size
 from .options import CompressOptions
 from .progress import DETAIL, Progress
@@ -95,15 +96,17 @@ def calibration_texts(options: CompressOptions) -> tuple[list[str], ProbeTexts]:
 
 
 def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], progress: Progress,
-              refine: bool = True):
-    """Input statistics of every layer on the calibration texts, and what the report says about them."""
+              refine: bool = True, scratch: Path | None = None):
+    """Input statistics of every layer on the calibration texts, and what the report says about them. With a
+    `scratch` folder the model runs a block at a time and the statistics wait there (capture.py)."""
     from .integration.capture import collect_statistics
 
     refines = refine and bool(options.refine_steps) and source.family.refinable
     metrics, batches = collect_statistics(
         source.folder, source.family, [layer.prefix for layer in source.layers], texts,
         options.calibration_max_length, progress, keep_samples=options.refine_samples if refines else 0,
-        token_budget=options.calibration_tokens,
+        token_budget=options.calibration_tokens, scratch=scratch,
+        width=max(layer.shape.input_dim for layer in source.layers),
     )
     if refines:
         from .decompose.refinement import BATCH_SEQUENCES, QUERY_ROWS
@@ -137,7 +140,8 @@ def energy_ranks(source: SourceModel, options: CompressOptions, metrics) -> dict
     for layer in source.layers:
         products = source.read_projections(layer).products(layer.shape.num_heads)
         if metrics is not None:
-            products = whiten(products, metrics[layer.prefix].query, metrics[layer.prefix].key)
+            metric = metrics[layer.prefix]
+            products = whiten(products, metric.query, metric.key)
         share = options.energy
         rank = max(
             energy_rank(torch.linalg.svdvals(query_side_matrix(products)), share),
@@ -165,8 +169,11 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
         rank, metric = ranks[layer.prefix], metrics[layer.prefix] if metrics else None
         fitted = fits.pop(layer.prefix, None)
         if fitted is not None:  # fitted ahead, when the refinement steps were shared out: count that time too
-            started -= fitted[3]
-        projections, layer_fit, bias = (fitted or _fit(source, layer, options, rank, metric, progress, labels))[:3]
+            layer_fit, bias, seconds = fitted
+            started -= seconds
+            projections = source.read_projections(layer)
+        else:
+            projections, layer_fit, bias = _fit(source, layer, options, rank, metric, progress, labels)
         refinement = None
         if steps.get(layer.prefix) and rank < layer.shape.key_dim:
             refinement = _refine(projections, layer, layer_fit, bias, metric, steps, labels, options.seed, progress)
@@ -182,7 +189,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
 
 def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[str, int], metrics, progress: Progress,
                      finished: "FinishedLayers | None" = None):
-    """(fits by layer as (projections, fit, content bias, seconds), refinement steps by layer): each layer
+    """(fits by layer as (fit, content bias, seconds), refinement steps by layer): each layer
     fitted, its held-out attention KL measured, and `refine_steps` x layers steps shared out in proportion to
     those KLs (decompose/refinement.share_steps). A resumed run reuses the split it saved, so its output stays
     byte-identical; its layers are fitted again as they come."""
@@ -192,12 +199,14 @@ def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[
     if saved is not None:
         return {}, saved
     labels = layer_labels(source)
-    fits, losses = {}, []
+    # fits wait on disk beside statistics that do (a block-at-a-time calibration): memory holds one layer
+    fits = SpillFolder(metrics.folder.parent / "fits") if isinstance(metrics, SpillFolder) else {}
+    losses = []
     for layer in source.layers:
         rank, metric = ranks[layer.prefix], metrics[layer.prefix]
         started = time.perf_counter()
         projections, fit, bias = _fit(source, layer, options, rank, metric, progress, labels)
-        fits[layer.prefix] = projections, fit, bias, time.perf_counter() - started
+        fits[layer.prefix] = fit, bias, time.perf_counter() - started
         if rank >= layer.shape.key_dim or not metric.query_samples:
             losses.append(0.0)
             continue

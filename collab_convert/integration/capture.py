@@ -10,6 +10,7 @@ number or length of the texts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,11 +18,20 @@ import torch
 
 from ..decompose.calibrated import InputMetric
 from ..errors import BadInputError
+from ..io.spill import SpillFolder
 from ..modeling.collaborative import strip_prefix
 from ..progress import DETAIL
 
 BATCH_TOKENS = 4096  # padded tokens per forward pass: the activations of one batch stay small
 BATCH_SEQUENCES = 64
+ACTIVATION_BYTES = 96 << 20  # a batch's activations inside one block, roughly: wide models get fewer tokens
+
+
+def batch_tokens(width: int) -> int:
+    """Padded tokens per batch for a model of hidden size `width`: a block's activations (the 4x-wide feed-forward
+    twice, queries, keys, values: about 16 float32 numbers per token and hidden unit) within ACTIVATION_BYTES.
+    all-MiniLM-L6-v2 (384): 4096 tokens; GPT-2-medium (1024): 1536."""
+    return max(256, min(BATCH_TOKENS, ACTIVATION_BYTES // (64 * width)))
 
 
 @dataclass
@@ -45,9 +55,10 @@ class CalibrationBatches:
     texts: int
 
 
-def token_batches(tokenizer, texts: list[str], max_length: int, token_budget: int | None) -> CalibrationBatches:
+def token_batches(tokenizer, texts: list[str], max_length: int, token_budget: int | None,
+                  most_tokens: int = BATCH_TOKENS) -> CalibrationBatches:
     """Tokenise `texts` (each cut at `max_length` tokens), keep them in order until `token_budget` real tokens
-    (the last one cut to fit), and group them into length-sorted batches of at most BATCH_TOKENS padded tokens."""
+    (the last one cut to fit), and group them into length-sorted batches of at most `most_tokens` padded tokens."""
     encoded = tokenizer(texts, truncation=True, max_length=max_length, padding=False)["input_ids"]
     kept, tokens = [], 0
     for ids in encoded:
@@ -64,7 +75,7 @@ def token_batches(tokenizer, texts: list[str], max_length: int, token_budget: in
         end = start + 1
         # sorted ascending: the last sequence of a batch is its longest, so padded size = count x its length
         while (end < len(order) and end - start < BATCH_SEQUENCES
-               and (end + 1 - start) * len(kept[order[end]]) <= BATCH_TOKENS):
+               and (end + 1 - start) * len(kept[order[end]]) <= most_tokens):
             end += 1
         chosen = [kept[i] for i in order[start:end]]
         width = max(len(ids) for ids in chosen)
@@ -180,12 +191,25 @@ def collect_statistics(
     progress=None,
     keep_samples: int = 0,
     token_budget: int | None = None,
-) -> tuple[dict[str, LayerCalibration], CalibrationBatches]:
+    scratch: Path | None = None,
+    width: int | None = None,
+) -> tuple[Mapping[str, LayerCalibration], CalibrationBatches]:
     """Run the original model on `texts` (at most `token_budget` tokens); return input statistics (and up to
-    `keep_samples` raw sequences) for each attention prefix, and the batches that ran."""
+    `keep_samples` raw sequences) for each attention prefix, and the batches that ran.
+
+    With a `scratch` folder, a model that is one stack of blocks runs a block at a time (layerwise.py) and each
+    layer's statistics wait in `scratch` until asked for: memory holds one block and one layer's statistics.
+    Otherwise the whole model runs, with every layer's statistics in memory. `width`: the hidden size, to size
+    batches by (batch_tokens)."""
+    from .layerwise import plan_blocks
+
+    most = batch_tokens(width) if width else BATCH_TOKENS
+    batches = token_batches(_tokenizer(folder), texts, max_length, token_budget, most)
+    plan = plan_blocks(folder, prefixes) if scratch is not None else None
+    if plan is not None:
+        return _collect_by_block(folder, family, plan, batches, progress, keep_samples, scratch), batches
     from transformers import AutoModel
 
-    batches = token_batches(_tokenizer(folder), texts, max_length, token_budget)
     model = AutoModel.from_pretrained(folder).eval()
     moments = {p: _Moments(keep=keep_samples) for p in prefixes}
     current = _CurrentBatch()
@@ -199,6 +223,39 @@ def collect_statistics(
     if missing:
         raise BadInputError(f"calibration never reached {missing[0]}")
     return {p: m.result() for p, m in moments.items()}, batches
+
+
+def _collect_by_block(folder: Path, family, plan, batches: CalibrationBatches, progress, keep_samples: int,
+                      scratch: Path) -> SpillFolder:
+    """Each layer's statistics from a block-at-a-time run (layerwise.BlockRunner), kept in `scratch`."""
+    from .layerwise import BlockRunner
+
+    blocks, device_map = plan
+    runner = BlockRunner(folder, blocks, device_map, scratch / "activations")
+    found = SpillFolder(scratch / "statistics")
+    current = _CurrentBatch()
+    label = f"calibrating{DETAIL}{batches.tokens} tokens"
+    for input_ids, attention_mask, _ in batches.batches:
+        runner.start({"input_ids": input_ids, "attention_mask": attention_mask})
+    for index, (_, prefix) in enumerate(blocks):
+        moments = {prefix: _Moments(keep=keep_samples)}
+        handles = _attach_hooks(runner.model, family, moments, current)
+        try:
+            for batch, (_, _, lengths) in enumerate(batches.batches):
+                if progress:
+                    progress(f"{label}, layer {index + 1}/{len(blocks)}", index * len(batches.batches) + batch,
+                             len(blocks) * len(batches.batches))
+                current.lengths, current.observed = lengths, 0
+                runner.run_block(index, batch, keep_output=index + 1 < len(blocks))
+        finally:
+            for handle in handles:
+                handle.remove()
+        if moments[prefix].query_count == 0 or moments[prefix].key_outer is None:
+            raise BadInputError(f"calibration never reached {prefix}")
+        found[prefix] = moments[prefix].result()
+    if progress:
+        progress(f"{label}, layer {len(blocks)}/{len(blocks)}", 1, 1)
+    return found
 
 
 def _attach_hooks(model, family, moments: dict[str, _Moments], current: _CurrentBatch) -> list:

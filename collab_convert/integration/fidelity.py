@@ -57,22 +57,37 @@ def is_language_model(architectures: list[str] | None) -> bool:
     return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures or [])
 
 
+LOGIT_BYTES = 16 << 20  # a batch's float32 logits: a 50k vocabulary at 128 tokens is 26 MB a text (then one at a time)
+
+
 @torch.no_grad()
 def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: int = 128,
                          progress=None) -> tuple[float, float]:
-    """Top-1 agreement and mean KL(base || model) of next-token distributions, one text at a time."""
+    """Top-1 agreement and mean KL(base || model) of next-token distributions over every real token of `texts`.
+    Texts run in right-padded batches (a causal model's real positions never see the padding after them), as
+    many as keep one batch's logits within LOGIT_BYTES."""
+    encoded = [ids for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"] if len(ids) >= 2]
+    longest = max((len(ids) for ids in encoded), default=1)
+    batch_size = max(1, LOGIT_BYTES // (4 * longest * base.config.get_text_config().vocab_size))
     agree, total, kl_sum = 0, 0, 0.0
-    for index, text in enumerate(texts):
+    for start in range(0, len(encoded), batch_size):
         if progress:
-            progress("next-token agreement", index, len(texts))
-        ids = tokenizer(text, truncation=True, max_length=max_length, return_tensors="pt")["input_ids"]
-        if ids.shape[1] < 2:
-            continue
-        p = torch.log_softmax(base(input_ids=ids).logits.float(), -1)[0]
-        q = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]
+            progress("next-token agreement", start, len(encoded))
+        chosen = encoded[start : start + batch_size]
+        width = max(len(ids) for ids in chosen)
+        input_ids = torch.zeros(len(chosen), width, dtype=torch.long)
+        attention_mask = torch.zeros(len(chosen), width, dtype=torch.long)
+        for row, ids in enumerate(chosen):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            attention_mask[row, : len(ids)] = 1
+        real = attention_mask.bool()
+        p = torch.log_softmax(base(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)[real]
+        q = torch.log_softmax(model(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)[real]
         agree += int((p.argmax(-1) == q.argmax(-1)).sum())
         kl_sum += float((p.exp() * (p - q)).sum())
         total += p.shape[0]
+    if progress:
+        progress("next-token agreement", len(encoded), len(encoded))
     return agree / max(total, 1), kl_sum / max(total, 1)
 
 

@@ -164,6 +164,7 @@ class StagedOutput:
     """
 
     RESUME = ".resume"  # inside the staging folder: work a killed run finished, for --resume
+    SCRATCH = ".scratch"  # inside the staging folder: what a run spills to disk while it works
 
     def __init__(self, output: Path, overwrite: bool = False, resume: bool = False):
         self.output = output
@@ -203,6 +204,14 @@ class StagedOutput:
     def finished_work(self) -> Path:
         return self.folder / self.RESUME
 
+    @property
+    def scratch(self) -> Path:
+        """Room for what a run keeps on disk instead of in memory (activations, statistics); never output."""
+        return self.folder / self.SCRATCH
+
+    def drop_scratch(self) -> None:
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
     def __exit__(self, *exc_info) -> None:
         if self.folder.exists():
             shutil.rmtree(self.folder, ignore_errors=True)
@@ -223,6 +232,7 @@ class StagedOutput:
 
     def _swap(self) -> None:
         shutil.rmtree(self.finished_work, ignore_errors=True)  # never part of the output
+        self.drop_scratch()
         output = self.output
         occupied = output.exists() and any(output.iterdir())
         if occupied and not self.overwrite:

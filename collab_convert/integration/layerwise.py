@@ -1,0 +1,225 @@
+"""The original model run one block at a time, so calibration holds one block's weights and one batch of
+activations, whatever the model's size.
+
+The model is loaded through transformers' big-model path with every block offloaded to disk: accelerate's hooks
+read a block's weights from the checkpoint itself (memory-mapped safetensors, converted to float32) when it
+runs and drop them after. A forward pass per batch stops at the first block, where a hook catches that block's
+inputs (hidden states, masks, position tables: whatever the model hands its blocks). Then block k runs on every
+batch's hidden states, its attention inputs are observed on the way, and its outputs replace its inputs on disk
+for block k+1. Each block runs once per batch, as in one forward pass of the whole model.
+
+This needs a model that is one stack of blocks, each holding one of the attention layers and run once per
+forward pass. Others (shared layers like ALBERT's, encoder-decoder stacks) are observed in whole forward passes
+instead (capture.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..modeling.collaborative import strip_prefix
+
+
+def block_stack(skeleton: nn.Module, prefixes: list[str]) -> list[tuple[str, str]] | None:
+    """[(block module name, attention prefix)] in run order, where one ModuleList of `skeleton` (a model built
+    without weights) has one block per attention layer, each holding exactly one; None where the model is not
+    laid out so."""
+    config = getattr(skeleton, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        return None
+    base = getattr(skeleton, "base_model_prefix", None)
+    by_name = {strip_prefix(p, base): p for p in prefixes}
+    depth = getattr(config, "num_hidden_layers", None)
+    for list_name, blocks in skeleton.named_modules():
+        if not isinstance(blocks, nn.ModuleList) or len(blocks) != len(prefixes):
+            continue
+        stack = []
+        for index in range(len(blocks)):
+            block = f"{list_name}.{index}" if list_name else str(index)
+            inside = [p for name, p in by_name.items() if name == block or name.startswith(block + ".")]
+            if len(inside) != 1:
+                break
+            stack.append((block, inside[0]))
+        # a block applied more than once per pass (shared layers) shows as fewer blocks than the config's depth
+        if len(stack) == len(prefixes) and (not isinstance(depth, int) or depth == len(stack)):
+            return stack
+    return None
+
+
+def offload_map(skeleton: nn.Module, blocks: list[str]) -> dict[str, str]:
+    """A device map putting every block, and every module outside the blocks, on "disk": each gets its own
+    accelerate hook, so only the module running has its weights in memory."""
+    mapping: dict[str, str] = {}
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, _ in module.named_parameters(recurse=False):
+            mapping[f"{prefix}{name}"] = "disk"
+        for name, child in module.named_children():
+            full = f"{prefix}{name}"
+            if full in blocks or not any(block.startswith(full + ".") for block in blocks):
+                mapping[full] = "disk"
+            else:
+                visit(full + ".", child)
+
+    visit("", skeleton)
+    return mapping
+
+
+class _BlockInputs(Exception):
+    """Raised by the hook on the first block, carrying what the model passed it."""
+
+    def __init__(self, hidden: torch.Tensor, args: tuple, kwargs: dict):
+        super().__init__("caught the first block's inputs")
+        self.hidden, self.args, self.kwargs = hidden, args, kwargs
+
+
+def _float32(value):
+    """Floating tensors (in tuples, lists, dicts too) as float32: the modules before the first block run in the
+    checkpoint's dtype, the blocks in float32."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_float32(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _float32(item) for key, item in value.items()}
+    return value
+
+
+def _catch(module, args, kwargs):
+    if "hidden_states" in kwargs:
+        kwargs = dict(kwargs)
+        hidden = kwargs.pop("hidden_states")
+    else:
+        hidden, args = args[0], args[1:]
+    raise _BlockInputs(_float32(hidden), _float32(args), _float32(kwargs))
+
+
+class BlockRunner:
+    """The model's blocks, run one at a time over batches whose activations wait on disk under `scratch`."""
+
+    def __init__(self, folder: Path, skeleton_blocks: list[tuple[str, str]], mapping: dict[str, str],
+                 scratch: Path):
+        from transformers import AutoModel
+
+        self.scratch = scratch
+        scratch.mkdir(parents=True, exist_ok=True)
+        self.model = _offloaded(AutoModel, folder, mapping, [name for name, _ in skeleton_blocks], scratch / "offload",
+                                only_blocks_float32=True)
+        self.model.config.use_cache = False  # a cache filled by every replayed batch would only grow
+        modules = dict(self.model.named_modules())
+        self.blocks = [(modules[name], prefix) for name, prefix in skeleton_blocks]
+        self.batches = 0
+
+    def _paths(self, batch: int) -> tuple[Path, Path]:
+        return self.scratch / f"inputs-{batch}.pt", self.scratch / f"hidden-{batch}.pt"
+
+    @torch.no_grad()
+    def start(self, inputs: dict) -> None:
+        """Run the model up to its first block on one batch; keep what the block would have received."""
+        handle = self.blocks[0][0].register_forward_pre_hook(_catch, with_kwargs=True)
+        try:
+            self.model(**inputs)
+        except _BlockInputs as caught:
+            inputs_path, hidden_path = self._paths(self.batches)
+            torch.save({"args": caught.args, "kwargs": caught.kwargs}, inputs_path)
+            torch.save(caught.hidden, hidden_path)
+        else:
+            raise RuntimeError("the model's forward pass never reached its first block")
+        finally:
+            handle.remove()
+        self.batches += 1
+
+    @torch.no_grad()
+    def run_block(self, index: int, batch: int, keep_output: bool) -> None:
+        """Block `index` on one batch: its attention hooks see the inputs; its output becomes the batch's
+        hidden states for the next block."""
+        inputs_path, hidden_path = self._paths(batch)
+        saved = torch.load(inputs_path, weights_only=False)  # our own file, from this run
+        hidden = torch.load(hidden_path, weights_only=False)
+        output = self.blocks[index][0](hidden, *saved["args"], **saved["kwargs"])
+        if keep_output:
+            output = output[0] if isinstance(output, (tuple, list)) else output
+            partial = hidden_path.with_suffix(".partial")
+            torch.save(output.contiguous(), partial)
+            partial.replace(hidden_path)
+
+
+def load_offloaded(folder: Path, auto_class=None):
+    """The model in `folder` (float32, eval mode), each block and each module outside the blocks offloaded to
+    disk: a forward pass holds one of them in memory at a time. For measuring fidelity on models too big to
+    hold twice. Collaborative checkpoints load through our quantizer as usual."""
+    from transformers import AutoConfig, AutoModel
+
+    from .loading import register
+
+    register()
+    auto_class = auto_class or AutoModel
+    with torch.device("meta"):
+        skeleton = auto_class.from_config(AutoConfig.from_pretrained(folder))
+    containers = [f"{name}.{index}" for name, module in skeleton.named_modules() if isinstance(module, nn.ModuleList)
+                  for index in range(len(module))]
+    return _offloaded(auto_class, folder, offload_map(skeleton, containers), containers, None)
+
+
+def _offloaded(auto_class, folder: Path, mapping: dict[str, str], blocks: list[str], offload_folder: Path | None,
+               only_blocks_float32: bool = False):
+    """Loaded in the checkpoint's own dtype (converting at load would materialise every weight at once), then
+    declared float32: accelerate casts each weight to its parameter's dtype as it loads it for a forward pass.
+    `only_blocks_float32`: the modules outside the blocks keep the checkpoint's dtype (a 50k-word embedding
+    table is 200 MB in float32, and a lookup reads a few rows of it)."""
+    # accelerate warns that offloaded parameters sit on the meta device: here that is the point
+    big_modeling = logging.getLogger("accelerate.big_modeling")
+    level = big_modeling.level
+    big_modeling.setLevel(logging.ERROR)
+    try:
+        model = auto_class.from_pretrained(folder, dtype="auto", device_map=mapping,
+                                           offload_folder=None if offload_folder is None else str(offload_folder))
+    finally:
+        big_modeling.setLevel(level)
+    modules = dict(model.named_modules())
+    for module in [modules[block] for block in blocks] if only_blocks_float32 else [model]:
+        # meta parameters change dtype for free; buffers and the few loaded ones are small. nn.Module's own
+        # float(): transformers refuses it on models loaded through a quantizer (ours)
+        nn.Module.float(module)
+    for block in blocks:
+        _load_whole_block(modules[block])
+    return model.eval()
+
+
+def _load_whole_block(block: nn.Module) -> None:
+    """accelerate hooks every submodule that holds weights, loading them as that submodule runs; a collaborative
+    attention module reads its submodules' weights directly (one GEMM over shared_key and content_bias). One
+    hook on the block loads all of the block's weights as it starts and drops them as it ends instead."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_submodules
+    from accelerate.utils import PrefixedDataset
+
+    for name, module in block.named_modules():
+        hook = getattr(module, "_hf_hook", None)
+        weights = getattr(hook, "weights_map", None)
+        if isinstance(weights, PrefixedDataset):
+            prefix = weights.prefix[: len(weights.prefix) - len(name) - 1] if name else weights.prefix
+            dataset = weights.dataset
+            break
+    else:
+        return  # nothing offloaded here
+    remove_hook_from_submodules(block)
+    add_hook_to_module(block, AlignDevicesHook(execution_device=torch.device("cpu"), offload=True,
+                                               weights_map=PrefixedDataset(dataset, prefix), place_submodules=True))
+
+
+def plan_blocks(folder: Path, prefixes: list[str]) -> tuple[list[tuple[str, str]], dict[str, str]] | None:
+    """(blocks, device map) for a block-at-a-time run of the model in `folder`, or None where it is not one stack
+    of blocks. The model is built on the meta device to read its layout: nothing is allocated or loaded."""
+    from transformers import AutoConfig, AutoModel
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        skeleton = AutoModel.from_config(config)
+    blocks = block_stack(skeleton, prefixes)
+    if blocks is None:
+        return None
+    return blocks, offload_map(skeleton, [name for name, _ in blocks])

@@ -1,0 +1,103 @@
+"""Calibration a block at a time: the same statistics as whole forward passes, one layer in memory at a time."""
+
+import pytest
+import torch
+
+from collab_convert.architectures.source import open_model
+from collab_convert.integration import capture
+from collab_convert.integration.capture import collect_statistics
+from collab_convert.integration.layerwise import plan_blocks
+from collab_convert.io.spill import SpillFolder
+
+from fixtures import SENTENCES
+from fixtures.models import build_family, family_case
+
+
+class _CharacterTokenizer:
+    """One token per character, inside the tiny models' 60-word vocabularies."""
+
+    pad_token_id = 0
+
+    def __call__(self, texts, truncation=True, max_length=None, padding=False):
+        return {"input_ids": [[2 + ord(c) % 50 for c in text[:max_length]] for text in texts]}
+
+
+def _statistics(folder, scratch=None):
+    source = open_model(str(folder))
+    try:
+        prefixes = [layer.prefix for layer in source.layers]
+        return collect_statistics(source.folder, source.family, prefixes, SENTENCES[:12], max_length=24,
+                                  keep_samples=3, scratch=scratch)[0]
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert", "electra", "mpnet", "gpt2", "gpt_bigcode", "opt"])
+def test_block_at_a_time_statistics_equal_whole_passes(family, tmp_path, monkeypatch):
+    monkeypatch.setattr(capture, "_tokenizer", lambda folder: _CharacterTokenizer())
+    folder = tmp_path / family
+    build_family(family_case(family), folder)
+    whole = _statistics(folder)
+    by_block = _statistics(folder, scratch=tmp_path / "scratch")
+    assert isinstance(by_block, SpillFolder)  # statistics wait on disk, one layer loaded when asked for
+    assert list(by_block) == list(whole)
+    for prefix, expected in whole.items():
+        layer = by_block[prefix]
+        for side in ("query", "key"):
+            mine, theirs = getattr(layer, side), getattr(expected, side)
+            assert torch.allclose(mine.covariance, theirs.covariance, rtol=1e-4, atol=1e-5), (prefix, side)
+            assert torch.allclose(mine.mean, theirs.mean, rtol=1e-4, atol=1e-5)
+        assert layer.scaling == expected.scaling
+        assert [s.shape for s in layer.query_samples] == [s.shape for s in expected.query_samples]
+        for mine, theirs in zip(layer.query_samples, expected.query_samples):
+            assert torch.allclose(mine.float(), theirs.float(), atol=2e-3)
+
+
+@pytest.mark.parametrize("family", ["albert", "bart", "t5"])
+def test_shared_layers_and_two_stacks_run_whole(family, tmp_path):
+    """ALBERT runs one block many times per pass; encoder-decoder models have two stacks: whole passes."""
+    folder = tmp_path / family
+    build_family(family_case(family), folder)
+    source = open_model(str(folder))
+    try:
+        assert plan_blocks(source.folder, [layer.prefix for layer in source.layers]) is None
+    finally:
+        source.close()
+
+
+def test_spill_folder_keeps_objects_on_disk(tmp_path):
+    spilled = SpillFolder(tmp_path / "spill")
+    spilled["first"], spilled["second"] = {"tensor": torch.arange(3)}, [1, 2]
+    assert list(spilled) == ["first", "second"] and len(spilled) == 2
+    assert torch.equal(spilled.pop("first")["tensor"], torch.arange(3))
+    assert list(spilled) == ["second"] and spilled["second"] == [1, 2]
+    assert len(list((tmp_path / "spill").glob("*.pt"))) == 1
+
+
+def test_offloaded_collaborative_model_runs_as_loaded_whole(tmp_path):
+    """A collaborative attention module reads its submodules' weights directly: one hook per block loads them all."""
+    from transformers import AutoModelForCausalLM
+
+    from collab_convert import CompressOptions, compress
+    from collab_convert.integration.layerwise import load_offloaded
+    from collab_convert.integration.loading import load_model
+
+    build_family(family_case("gpt2"), tmp_path / "gpt2")
+    compress(str(tmp_path / "gpt2"), CompressOptions(rank=16, output=tmp_path / "out", plots=False))
+    ids = torch.randint(0, 60, (2, 9))
+    offloaded = load_offloaded(tmp_path / "out", AutoModelForCausalLM)
+    assert all(p.is_meta for p in offloaded.parameters())  # nothing held between forward passes
+    whole = load_model(tmp_path / "out", AutoModelForCausalLM, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.allclose(offloaded(ids).logits, whole(ids).logits, atol=1e-5)
+
+
+def test_calibrated_compress_leaves_no_scratch_behind(tiny_bert, calibration_file, tmp_path):
+    """The block-at-a-time run keeps activations, statistics and fits in the staging folder; none of it ships."""
+    from collab_convert import CompressOptions, compress
+
+    result = compress(str(tiny_bert), CompressOptions(rank=16, output=tmp_path / "out", calibration=calibration_file,
+                                                      calibration_samples=16, refine_steps=5, plots=False))
+    assert result.layers[0].refinement is not None and result.fidelity is not None
+    assert not any(p.name.startswith(".") for p in (tmp_path / "out").iterdir())
+    assert [p.name for p in tmp_path.iterdir() if "collab-tmp" in p.name] == []
