@@ -80,13 +80,7 @@ class _BlockInputs(Exception):
 def _float32(value):
     """Floating tensors (in tuples, lists, dicts too) as float32: the modules before the first block run in the
     checkpoint's dtype, the blocks in float32."""
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.is_floating_point() else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_float32(item) for item in value)
-    if isinstance(value, dict):
-        return {key: _float32(item) for key, item in value.items()}
-    return value
+    return _cast(value, torch.float32)
 
 
 def _catch(module, args, kwargs):
@@ -162,7 +156,7 @@ def load_offloaded(folder: Path, auto_class=None):
         skeleton = auto_class.from_config(AutoConfig.from_pretrained(folder))
     containers = [f"{name}.{index}" for name, module in skeleton.named_modules() if isinstance(module, nn.ModuleList)
                   for index in range(len(module))]
-    return _offloaded(auto_class, folder, offload_map(skeleton, containers), containers, None)
+    return _offloaded(auto_class, folder, offload_map(skeleton, containers), containers, None, only_blocks_float32=True)
 
 
 def _offloaded(auto_class, folder: Path, mapping: dict[str, str], blocks: list[str], offload_folder: Path | None,
@@ -185,9 +179,35 @@ def _offloaded(auto_class, folder: Path, mapping: dict[str, str], blocks: list[s
         # meta parameters change dtype for free; buffers and the few loaded ones are small. nn.Module's own
         # float(): transformers refuses it on models loaded through a quantizer (ours)
         nn.Module.float(module)
+    if only_blocks_float32:
+        _cast_at_boundaries(modules, blocks, [name for name in mapping if name in modules and name not in blocks])
     for block in blocks:
         _load_whole_block(modules[block])
     return model.eval()
+
+
+def _cast_at_boundaries(modules: dict[str, nn.Module], blocks: list[str], others: list[str]) -> None:
+    """Blocks run in float32, the modules around them (embeddings, final norm, language-model head) in the
+    checkpoint's dtype: each gets its floating inputs in its own dtype."""
+    for name in blocks:
+        modules[name].register_forward_pre_hook(lambda module, args, kwargs: (_float32(args), _float32(kwargs)),
+                                                with_kwargs=True)
+    for name in others:
+        module = modules[name]
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+        if dtype is not None and dtype != torch.float32:
+            module.register_forward_pre_hook(lambda module, args, kwargs, dtype=dtype: (
+                _cast(args, dtype), _cast(kwargs, dtype)), with_kwargs=True)
+
+
+def _cast(value, dtype: torch.dtype):
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast(item, dtype) for item in value)
+    if isinstance(value, dict):
+        return {key: _cast(item, dtype) for key, item in value.items()}
+    return value
 
 
 def _load_whole_block(block: nn.Module) -> None:
