@@ -212,7 +212,7 @@ def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[
             continue
         target = AttentionTarget(metric.query_samples, metric.key_samples, projections.query_weight,
                                  projections.query_bias, projections.key_weight, layer.shape.num_heads,
-                                 score_scale(layer, metric), layer.causal)
+                                 score_scale(layer, metric), layer.causal, getattr(metric, "position_bias", None))
         losses.append(target.held_out_kl((fit.factors.shared_query, fit.factors.shared_key, fit.factors.mixing, bias)))
     steps = dict(zip(fits, share_steps(losses, options.refine_steps * len(source.layers)), strict=True))
     if finished:
@@ -365,6 +365,7 @@ def _refine(projections: Projections, layer: AttentionLayer, fit: LayerFit, bias
         metric.query_samples, metric.key_samples, projections.query_weight, projections.query_bias,
         projections.key_weight, fit.factors, bias, layer.shape.num_heads, score_scale(layer, metric),
         causal=layer.causal, steps=steps[layer.prefix], seed=seed, on_check=on_check,
+        position_bias=getattr(metric, "position_bias", None),
     )
     return {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
             "factors": refined.factors, "content_bias": refined.content_bias.to(bias.dtype)}

@@ -102,13 +102,13 @@ FAMILIES: tuple[Family, ...] = (
         requires=_ABSOLUTE_ONLY,
     ),
     Family(
-        # The relative position bias is added to the scores and untouched by the re-parametrization.
+        # The relative position bias is added to the scores and untouched by the re-parametrization; calibration
+        # reads it from the module's inputs, so refinement adds it as the module does.
         name="mpnet",
         model_types=("mpnet",),
         sites=(Site(r"(^|\.)encoder\.layer\.\d+\.attention\.attn$"),),
         layout=SeparateProjections("q", "k"),
         forward=mpnet_forward,
-        refinable=False,
     ),
     Family(
         name="vit",

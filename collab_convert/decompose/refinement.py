@@ -71,15 +71,20 @@ class _Batch:
     entropy: float  # sum of target_p x log target_p: the KL's constant part
 
     @classmethod
-    def of(cls, x, y, key_mask, x_mask, original_scores, heads: int) -> "_Batch":
+    def of(cls, x, y, key_mask, x_mask, original_scores, heads: int, position_bias=None) -> "_Batch":
+        """`position_bias` (B | 1, H, n, m): a relative position bias the layer adds to its scores; it rides in the
+        mask, which both the original and the collaborative scores receive."""
         mask = _mask_to_add(key_mask)
+        if position_bias is not None:
+            mask = mask + position_bias
         target = torch.log_softmax(original_scores + mask, dim=-1)
         target_p = target.exp() * x_mask[:, None, :, None]
         return cls(x, y, mask, int(x_mask.sum()) * heads, target_p, float((target_p * target).sum()))
 
 
 @torch.no_grad()
-def _original_attention(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal):
+def _original_attention(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal,
+                        position_bias=None):
     heads, d_k = num_heads, query_weight.shape[0] // num_heads
     batches = []
     for query_list, key_list in _buckets(queries, keys, 32):
@@ -93,7 +98,9 @@ def _original_attention(queries, keys, query_weight, query_bias, key_weight, num
         k = y @ key_weight.float().T
         q = q.view(*q.shape[:2], heads, d_k).transpose(1, 2)
         k = k.view(*k.shape[:2], heads, d_k).transpose(1, 2)
-        batches.append(_Batch.of(x, y, key_mask, x_mask, torch.matmul(q, k.transpose(-1, -2)) * scaling, heads))
+        bias = None if position_bias is None else position_bias[None, :, : x.shape[1], : y.shape[1]]
+        batches.append(_Batch.of(x, y, key_mask, x_mask, torch.matmul(q, k.transpose(-1, -2)) * scaling, heads,
+                                 bias))
     return batches
 
 
@@ -137,9 +144,16 @@ def _sequences(queries, keys, query_weight, query_bias, key_weight, heads: int) 
 
 
 @torch.no_grad()
-def _sampled_batch(chosen: list[_Sequence], rows: int, scaling: float, causal: bool, generator) -> _Batch:
+def _sampled_batch(chosen: list[_Sequence], rows: int, scaling: float, causal: bool, generator,
+                   position_bias=None) -> _Batch:
     """A few sequences with `rows` sampled query positions each: the unbiased minibatch of the attention KL."""
     picks = [torch.randperm(s.x.shape[0], generator=generator)[:rows].sort().values for s in chosen]
+    bias = None
+    if position_bias is not None:  # each sequence's sampled query rows of the bias, padded like the rows
+        width = max(s.y.shape[0] for s in chosen)
+        bias = torch.zeros(len(chosen), position_bias.shape[0], max(len(p) for p in picks), width)
+        for index, p in enumerate(picks):
+            bias[index, :, : len(p)] = position_bias[:, p, :width]
     x, x_mask = _pad([s.x[p] for s, p in zip(chosen, picks)])
     y, y_mask = _pad([s.y for s in chosen])
     q, _ = _pad([s.queries[p].flatten(1) for s, p in zip(chosen, picks)])
@@ -151,7 +165,7 @@ def _sampled_batch(chosen: list[_Sequence], rows: int, scaling: float, causal: b
     if causal:
         positions, _ = _pad([p[:, None].float() for p in picks])  # (B, rows, 1)
         key_mask = key_mask & (torch.arange(y.shape[1])[None, None, :] <= positions)[:, None]
-    return _Batch.of(x, y, key_mask, x_mask, torch.matmul(q, k.transpose(-1, -2)) * scaling, heads)
+    return _Batch.of(x, y, key_mask, x_mask, torch.matmul(q, k.transpose(-1, -2)) * scaling, heads, bias)
 
 
 class AttentionTarget:
@@ -160,14 +174,15 @@ class AttentionTarget:
 
     def __init__(self, queries: list[torch.Tensor], keys: list[torch.Tensor], query_weight: torch.Tensor,
                  query_bias: torch.Tensor | None, key_weight: torch.Tensor, num_heads: int, scaling: float,
-                 causal: bool = False):
+                 causal: bool = False, position_bias: torch.Tensor | None = None):
         held = max(len(queries) // 10, 1) if len(queries) >= 10 else 0
         train = slice(0, len(queries) - held) if held else slice(None)
         check = slice(len(queries) - held, None) if held else slice(None)
         self.check_batches = _original_attention([x.float() for x in queries[check]], [y.float() for y in keys[check]],
-                                                 query_weight, query_bias, key_weight, num_heads, scaling, causal)
+                                                 query_weight, query_bias, key_weight, num_heads, scaling, causal,
+                                                 position_bias)
         self.check_rows = sum(b.rows for b in self.check_batches)
-        self.scaling, self.causal = scaling, causal
+        self.scaling, self.causal, self.position_bias = scaling, causal, position_bias
         # the training sequences' original queries and keys, computed when a refinement first asks: judging a
         # fit (held_out_kl) needs only the held-out slice
         self._train = lambda: _sequences(queries[train], keys[train], query_weight, query_bias, key_weight, num_heads)
@@ -185,8 +200,8 @@ class AttentionTarget:
         if self.train is None:
             self.train = self._train()
         chosen = [self.train[i] for i in torch.randperm(len(self.train), generator=generator)[:sequences]]
-        return _collaborative_kl(parameters, _sampled_batch(chosen, rows, self.scaling, self.causal, generator),
-                                 self.scaling)
+        batch = _sampled_batch(chosen, rows, self.scaling, self.causal, generator, self.position_bias)
+        return _collaborative_kl(parameters, batch, self.scaling)
 
 
 def refine_attention(
@@ -206,13 +221,16 @@ def refine_attention(
     query_rows: int = QUERY_ROWS,
     seed: int = 0,
     on_check=None,
+    position_bias: torch.Tensor | None = None,
 ) -> RefineResult:
     """Adam on the mean KL(original || collaborative) of every head's attention, stochastically: each step
     sees `batch_sequences` sequences and `query_rows` sampled query positions in each, so a step costs the same
     whatever the length and number of the calibration sequences. The held-out slice decides when to stop (no
     gain in five checks) and which parameters to keep; the start counts, so the result is never worse on it
-    than the fit it started from. `on_check(step, loss)` hears each held-out check."""
-    target = AttentionTarget(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal)
+    than the fit it started from. `on_check(step, loss)` hears each held-out check. `position_bias` (H, N, N):
+    a relative position bias the layer adds to its scores, for sequences up to N long."""
+    target = AttentionTarget(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal,
+                             position_bias)
     start = (factors.shared_query, factors.shared_key, factors.mixing, content_bias)
     parameters = [t.float().clone().requires_grad_(True) for t in start]
     generator = torch.Generator().manual_seed(seed)

@@ -10,6 +10,7 @@ number or length of the texts.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,9 @@ class LayerCalibration:
     # the module's own score scale (transformers' `scaling`: 1/sqrt(d_k), or GPT-2's per-layer and optional
     # scalings), read from the module the statistics came from; None where the module has none
     scaling: float | None = None
+    # (H, N, N): a relative position bias the module adds to its scores (MPNet), for the longest sequence seen;
+    # a shorter sequence's is its top-left corner (the bias depends only on j - i). None where there is none
+    position_bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -130,6 +134,7 @@ class _Moments:
 
     keep: int = 0  # raw sequences to keep for refinement
     scaling: float | None = None
+    position_bias: torch.Tensor | None = None
     query_shift: torch.Tensor | None = None
     query_sum: torch.Tensor | None = None
     query_outer: torch.Tensor | None = None
@@ -173,7 +178,11 @@ class _Moments:
         key_cov = self.key_outer / max(self.key_count, 1)
         key_metric = InputMetric(key_cov, torch.zeros(key_cov.shape[0], dtype=key_cov.dtype))
         return LayerCalibration(InputMetric(query_cov, mean + self.query_shift.double()), key_metric,
-                                self.query_samples, self.key_samples, self.scaling)
+                                self.query_samples, self.key_samples, self.scaling, self.position_bias)
+
+    def add_position_bias(self, bias: torch.Tensor) -> None:
+        if self.position_bias is None or bias.shape[-1] > self.position_bias.shape[-1]:
+            self.position_bias = bias[0].detach().float().clone()
 
 
 def _tokenizer(folder: Path):
@@ -272,6 +281,9 @@ def _attach_hooks(model, family, moments: dict[str, _Moments], current: _Current
         adders = {"query": moments[prefix].add_query, "key": moments[prefix].add_key}
         for point, sides in family.layout.hook_points(module):
             handles.append(point.register_forward_pre_hook(_hook(current, *(adders[side] for side in sides))))
+        if moments[prefix].keep and "position_bias" in inspect.signature(module.forward).parameters:
+            handles.append(module.register_forward_pre_hook(_position_bias_hook(module, moments[prefix]),
+                                                            with_kwargs=True))
     if not handles:
         raise BadInputError("no attention module of the model could be observed for calibration")
     return handles
@@ -291,6 +303,18 @@ def _run(model, batches: CalibrationBatches, current: _CurrentBatch, progress) -
         done += len(lengths)
     if progress:
         progress(f"calibrating{DETAIL}{batches.tokens} tokens", done, batches.texts)
+
+
+def _position_bias_hook(module, moments: _Moments):
+    """The relative position bias the module is handed (MPNet's), for refinement to add as the module does."""
+    signature = inspect.signature(module.forward)
+
+    def hook(module, args, kwargs):
+        bias = signature.bind_partial(*args, **kwargs).arguments.get("position_bias")
+        if isinstance(bias, torch.Tensor):
+            moments.add_position_bias(bias)
+
+    return hook
 
 
 def _hook(current: _CurrentBatch, *adders):

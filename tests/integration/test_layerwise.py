@@ -10,16 +10,7 @@ from collab_convert.integration.layerwise import plan_blocks
 from collab_convert.io.spill import SpillFolder
 
 from fixtures import SENTENCES
-from fixtures.models import build_family, family_case
-
-
-class _CharacterTokenizer:
-    """One token per character, inside the tiny models' 60-word vocabularies."""
-
-    pad_token_id = 0
-
-    def __call__(self, texts, truncation=True, max_length=None, padding=False):
-        return {"input_ids": [[2 + ord(c) % 50 for c in text[:max_length]] for text in texts]}
+from fixtures.models import CharacterTokenizer, build_family, family_case
 
 
 def _statistics(folder, scratch=None):
@@ -34,7 +25,7 @@ def _statistics(folder, scratch=None):
 
 @pytest.mark.parametrize("family", ["bert", "roberta", "distilbert", "electra", "mpnet", "gpt2", "gpt_bigcode", "opt"])
 def test_block_at_a_time_statistics_equal_whole_passes(family, tmp_path, monkeypatch):
-    monkeypatch.setattr(capture, "_tokenizer", lambda folder: _CharacterTokenizer())
+    monkeypatch.setattr(capture, "_tokenizer", lambda folder: CharacterTokenizer())
     folder = tmp_path / family
     build_family(family_case(family), folder)
     whole = _statistics(folder)
