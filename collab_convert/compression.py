@@ -86,7 +86,7 @@ def _stages(source: SourceModel, model: str, options: CompressOptions, progress:
             metrics, calibration = calibrate(source, options, fitted, progress, scratch=staged.scratch)
     ranks = None
     if source.family.is_rotary:
-        convert, write_record, calibration, rank_choice = _rotary(source, options, fitted, progress)
+        convert, write_record, calibration, rank_choice = _rotary(source, options, fitted, progress, staged.scratch)
         estimator = _estimator(source, options, None, held_out)
     else:
         estimator = _estimator(source, options, metrics, held_out)
@@ -119,7 +119,8 @@ def _stages(source: SourceModel, model: str, options: CompressOptions, progress:
     return result
 
 
-def _rotary(source: SourceModel, options: CompressOptions, texts: list[str] | None, progress: Progress):
+def _rotary(source: SourceModel, options: CompressOptions, texts: list[str] | None, progress: Progress,
+            scratch: Path | None = None):
     """The shared rotary key's stages (rotary_stages.py): statistics, one budget over layers and frequencies,
     then how to write the layers and the record."""
     from .rotary_stages import (
@@ -134,7 +135,7 @@ def _rotary(source: SourceModel, options: CompressOptions, texts: list[str] | No
     width = layer_width(source, options)
     calibration, calibrations = None, None
     if texts is not None:
-        statistics, calibrations, calibration = calibrated_statistics(source, options, texts, progress)
+        statistics, calibrations, calibration = calibrated_statistics(source, options, texts, progress, scratch)
     else:
         statistics = model_weight_statistics(source)
     ranks = allocate_ranks(source, statistics, width)

@@ -166,8 +166,10 @@ def _normalised(tokens: torch.Tensor, scale: torch.Tensor | None, over_heads: bo
 ROTARY_REFINE_SAMPLES = 64  # raw sequences kept per layer for refinement (float16 queries and keys)
 
 
-def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: list[str], progress: Progress):
-    """(statistics per layer, calibrations per layer with refinement samples, what the report says)."""
+def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: list[str], progress: Progress,
+                          scratch: Path | None = None):
+    """(statistics per layer, calibrations per layer with refinement samples, what the report says). With a
+    `scratch` folder the model runs a block at a time and the calibrations wait there (capture.py)."""
     from .integration.capture import collect_rotary_statistics
 
     layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads))
@@ -175,7 +177,8 @@ def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: 
     keep = min(options.refine_samples, ROTARY_REFINE_SAMPLES) if options.refine_steps else 0
     calibrations, batches = collect_rotary_statistics(source.folder, source.family, layers, texts,
                                                       options.calibration_max_length, progress, keep_samples=keep,
-                                                      token_budget=options.calibration_tokens)
+                                                      token_budget=options.calibration_tokens, scratch=scratch,
+                                                      width=max(layer.shape.input_dim for layer in source.layers))
     refinement = (f"up to {options.refine_steps} Adam steps per layer on the error of the attention output (through "
                   f"the output projection; causal attention KL reported), each on 8 of "
                   f"{min(keep, len(texts))} sequences and 32 query positions in each, stopped and chosen on a "

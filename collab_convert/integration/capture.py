@@ -337,44 +337,36 @@ class RotaryCalibration:
     setting: object | None  # decompose.rotary_refinement.AttentionSetting
 
 
-def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[str], max_length: int = 128,
-                              progress=None, keep_samples: int = 0, token_budget: int | None = None):
-    """Query energy and key second moments of every rotary layer on real text (decompose/rotary.py), as means
-    per token, and up to `keep_samples` raw sequences per layer. `layers` maps a prefix to (geometry, head
-    counts). The queries and keys are the module's own, after any QK-norm and before RoPE, computed from the
-    hidden states it receives; RoPE tables, scale and soft-capping are read from the same call. Returns the
-    records by prefix and the batches that ran."""
-    from transformers import AutoModel
+class _RotaryObserver:
+    """Forward pre-hooks on rotary attention modules that compute the module's own queries, keys (and values)
+    from the hidden states it receives and add them to that layer's record."""
 
-    from ..decompose.rotary import statistics_of
-    from ..decompose.rotary_refinement import AttentionSetting, RotarySample
+    def __init__(self, family, layers: dict, keep_samples: int, current: _CurrentBatch):
+        self.family, self.layers, self.keep, self.current = family, layers, keep_samples, current
+        self.found = {prefix: RotaryCalibration(None, [], None) for prefix in layers}
+        self.tokens = dict.fromkeys(layers, 0)
 
-    batches = token_batches(_tokenizer(folder), texts, max_length, token_budget)
-    model = AutoModel.from_pretrained(folder).eval()
-    current = _CurrentBatch()
-    found = {prefix: RotaryCalibration(None, [], None) for prefix in layers}
-    tokens = {prefix: 0 for prefix in layers}
-    base = getattr(model, "base_model_prefix", None)
-    wanted = {strip_prefix(p, base): p for p in layers}
+    def hook(self, prefix: str):
+        from ..decompose.rotary import statistics_of
+        from ..decompose.rotary_refinement import AttentionSetting, RotarySample
 
-    def observer(prefix):
-        geometry, heads = layers[prefix]
-        record = found[prefix]
+        geometry, heads = self.layers[prefix]
+        record, layout, current = self.found[prefix], self.family.layout, self.current
 
         def hook(module, args, kwargs):
             hidden = kwargs.get("hidden_states", args[0] if args else None)
-            queries, keys = family.layout.original_queries_keys(module, hidden, heads)
-            values = family.layout.original_values(module, hidden, heads) if keep_samples else queries
+            queries, keys = layout.original_queries_keys(module, hidden, heads)
+            values = layout.original_values(module, hidden, heads) if self.keep else queries
             real = zip(current.sequences(queries), current.sequences(keys), current.sequences(values), strict=True)
             for query, key, value in real:  # each cut to its real tokens: no padding counted
                 more = statistics_of(query.float(), key.float(), geometry)
                 record.statistics = more if record.statistics is None else record.statistics + more
-                tokens[prefix] += query.shape[0]
-                if len(record.samples) < keep_samples:
+                self.tokens[prefix] += query.shape[0]
+                if len(record.samples) < self.keep:
                     record.samples.append(RotarySample(query.half().clone(), key.half().clone(), value.half().clone()))
             cos, sin = kwargs["position_embeddings"]
             if record.setting is None or record.setting.cos.shape[0] < cos.shape[1]:
-                output = family.layout.output_projection(module).weight
+                output = layout.output_projection(module).weight
                 record.setting = AttentionSetting(float(module.scaling), cos[0].float().clone(), sin[0].float().clone(),
                                                   getattr(module, "attn_logit_softcapping", None),
                                                   output.detach().float().clone())
@@ -382,15 +374,76 @@ def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[st
 
         return hook
 
-    handles = [module.register_forward_pre_hook(observer(wanted[strip_prefix(name, base)]), with_kwargs=True)
-               for name, module in model.named_modules() if strip_prefix(name, base) in wanted]
-    if len(handles) != len(layers):
-        raise BadInputError("not every attention module of the model could be observed for calibration")
+    def finished(self, prefix: str) -> RotaryCalibration:
+        """The layer's record, statistics as means per token; forgotten here."""
+        record = self.found.pop(prefix)
+        record.statistics = record.statistics.scaled(1 / self.tokens[prefix])
+        return record
+
+
+def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[str], max_length: int = 128,
+                              progress=None, keep_samples: int = 0, token_budget: int | None = None,
+                              scratch: Path | None = None, width: int | None = None):
+    """Query energy and key second moments of every rotary layer on real text (decompose/rotary.py), as means
+    per token, and up to `keep_samples` raw sequences per layer. `layers` maps a prefix to (geometry, head
+    counts). The queries and keys are the module's own, after any QK-norm and before RoPE, computed from the
+    hidden states it receives; RoPE tables, scale and soft-capping are read from the same call. Returns the
+    records by prefix and the batches that ran. With a `scratch` folder the model runs a block at a time and
+    the records wait there, as collect_statistics does."""
+    from .layerwise import plan_blocks
+
+    batches = token_batches(_tokenizer(folder), texts, max_length, token_budget,
+                            batch_tokens(width) if width else BATCH_TOKENS)
+    current = _CurrentBatch()
+    observer = _RotaryObserver(family, layers, keep_samples, current)
+    plan = plan_blocks(folder, list(layers)) if scratch is not None else None
+    if plan is not None:
+        return _rotary_by_block(folder, plan, batches, observer, progress, scratch), batches
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(folder).eval()
+    handles = [module.register_forward_pre_hook(observer.hook(prefix), with_kwargs=True)
+               for prefix, module in _modules_of(model, layers).items()]
     try:
         _run(model, batches, current, progress)
     finally:
         for handle in handles:
             handle.remove()
-    for prefix, record in found.items():
-        record.statistics = record.statistics.scaled(1 / tokens[prefix])
-    return found, batches
+    return {prefix: observer.finished(prefix) for prefix in layers}, batches
+
+
+def _modules_of(model, prefixes) -> dict:
+    """The model's module for each attention prefix (names compared without the base-model prefix)."""
+    base = getattr(model, "base_model_prefix", None)
+    wanted = {strip_prefix(p, base): p for p in prefixes}
+    modules = {wanted[strip_prefix(name, base)]: module for name, module in model.named_modules()
+               if strip_prefix(name, base) in wanted}
+    if len(modules) != len(wanted):
+        raise BadInputError("not every attention module of the model could be observed for calibration")
+    return modules
+
+
+def _rotary_by_block(folder: Path, plan, batches: CalibrationBatches, observer: _RotaryObserver, progress,
+                     scratch: Path) -> SpillFolder:
+    from .layerwise import BlockRunner
+
+    blocks, device_map = plan
+    runner = BlockRunner(folder, blocks, device_map, scratch / "activations")
+    modules = _modules_of(runner.model, [prefix for _, prefix in blocks])
+    found = SpillFolder(scratch / "statistics")
+    for input_ids, attention_mask, _ in batches.batches:
+        runner.start({"input_ids": input_ids, "attention_mask": attention_mask})
+    label = f"calibrating{DETAIL}{batches.tokens} tokens"
+    for index, (_, prefix) in enumerate(blocks):
+        handle = modules[prefix].register_forward_pre_hook(observer.hook(prefix), with_kwargs=True)
+        try:
+            for batch, (_, _, lengths) in enumerate(batches.batches):
+                if progress:
+                    progress(f"{label}, layer {index + 1}/{len(blocks)}", index * len(batches.batches) + batch,
+                             len(blocks) * len(batches.batches))
+                observer.current.lengths, observer.current.observed = lengths, 0
+                runner.run_block(index, batch, keep_output=index + 1 < len(blocks))
+        finally:
+            handle.remove()
+        found[prefix] = observer.finished(prefix)
+    return found

@@ -31,6 +31,8 @@ def block_stack(skeleton: nn.Module, prefixes: list[str]) -> list[tuple[str, str
     config = getattr(skeleton, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         return None
+    if len(set(getattr(config, "layer_types", None) or [])) > 1:
+        return None  # blocks get different masks (Gemma's sliding and full layers): the first block's won't do
     base = getattr(skeleton, "base_model_prefix", None)
     by_name = {strip_prefix(p, base): p for p in prefixes}
     depth = getattr(config, "num_hidden_layers", None)

@@ -56,6 +56,18 @@ def test_shared_layers_and_two_stacks_run_whole(family, tmp_path):
         source.close()
 
 
+def test_blocks_with_different_masks_run_whole(tmp_path):
+    """Gemma 2 alternates sliding-window and full layers: the first block's mask would be wrong for the next."""
+    from fixtures.models import ROTARY_CASES, build_rotary
+
+    build_rotary(next(case for case in ROTARY_CASES if case.name == "gemma2"), tmp_path / "gemma2")
+    source = open_model(str(tmp_path / "gemma2"))
+    try:
+        assert plan_blocks(source.folder, [layer.prefix for layer in source.layers]) is None
+    finally:
+        source.close()
+
+
 def test_spill_folder_keeps_objects_on_disk(tmp_path):
     spilled = SpillFolder(tmp_path / "spill")
     spilled["first"], spilled["second"] = {"tensor": torch.arange(3)}, [1, 2]
@@ -92,3 +104,34 @@ def test_calibrated_compress_leaves_no_scratch_behind(tiny_bert, calibration_fil
     assert result.layers[0].refinement is not None and result.fidelity is not None
     assert not any(p.name.startswith(".") for p in (tmp_path / "out").iterdir())
     assert [p.name for p in tmp_path.iterdir() if "collab-tmp" in p.name] == []
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "phi", "gpt_neox"])
+def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, monkeypatch):
+    """The rotary capture (queries, keys and values from each module's own inputs, RoPE tables from its call)
+    gives the same per-frequency statistics and samples when the model runs a block at a time."""
+    from collab_convert.integration.capture import collect_rotary_statistics
+    from collab_convert.rotary_stages import geometry_of
+    from collab_convert.format import HeadCounts
+    from fixtures.models import ROTARY_CASES, build_rotary
+
+    monkeypatch.setattr(capture, "_tokenizer", lambda folder: CharacterTokenizer())
+    build_rotary(next(case for case in ROTARY_CASES if case.name == name), tmp_path / name)
+    source = open_model(str(tmp_path / name))
+    try:
+        layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads))
+                  for layer in source.layers}
+        runs = [collect_rotary_statistics(source.folder, source.family, layers, SENTENCES[:10], max_length=40,
+                                          keep_samples=3, scratch=scratch)[0]
+                for scratch in (None, tmp_path / "scratch")]
+    finally:
+        source.close()
+    whole, by_block = runs
+    assert isinstance(by_block, SpillFolder)
+    for prefix, expected in whole.items():
+        record = by_block[prefix]
+        for mine, theirs in zip(record.statistics._parts(), expected.statistics._parts(), strict=True):
+            assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-5), prefix
+        assert len(record.samples) == len(expected.samples) == 3
+        assert torch.allclose(record.setting.cos, expected.setting.cos)
+        assert record.setting.scaling == expected.setting.scaling
