@@ -135,3 +135,26 @@ def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, mon
         assert len(record.samples) == len(expected.samples) == 3
         assert torch.allclose(record.setting.cos, expected.setting.cos)
         assert record.setting.scaling == expected.setting.scaling
+
+
+def test_offloaded_bfloat16_model_keeps_its_head_small_and_its_math_float32(tmp_path, monkeypatch):
+    """A bfloat16 checkpoint: blocks run in float32, the embedding table stays bfloat16, and the head computes in
+    float32 from bfloat16 weight slices; the logits match a float32 load up to the bfloat16 embedding sum."""
+    from transformers import AutoModelForCausalLM
+
+    from collab_convert.integration import layerwise
+    from collab_convert.integration.layerwise import load_offloaded
+    from collab_convert.integration.loading import load_model
+
+    model = build_family(family_case("gpt2"), tmp_path / "gpt2")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "gpt2")
+    offloaded = load_offloaded(tmp_path / "gpt2", AutoModelForCausalLM)
+    assert offloaded.transformer.wte.weight.dtype == torch.bfloat16
+    assert offloaded.transformer.h[0].attn.c_attn.weight.dtype == torch.float32
+    whole = load_model(tmp_path / "gpt2", AutoModelForCausalLM, dtype=torch.float32)
+    ids = torch.randint(0, 60, (2, 9))
+    monkeypatch.setattr(layerwise, "SLICE_ROWS", 7)  # several slices of the 60-word head
+    with torch.no_grad():
+        mine, theirs = offloaded(ids).logits, whole(ids).logits
+    assert mine.dtype == torch.float32
+    assert (mine - theirs).abs().max() < 0.02 * theirs.abs().max()
