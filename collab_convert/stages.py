@@ -203,6 +203,9 @@ def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[
     fits = SpillFolder(metrics.folder.parent / "fits") if isinstance(metrics, SpillFolder) else {}
     losses = []
     for layer in source.layers:
+        # one input shard mapped at a time here too: the pages each layer's fit read would otherwise stay
+        # resident (file-backed) for every layer until writing begins
+        source.reader.release_all_but(layer.anchor)
         rank, metric = ranks[layer.prefix], metrics[layer.prefix]
         started = time.perf_counter()
         projections, fit, bias = _fit(source, layer, options, rank, metric, progress, labels)
