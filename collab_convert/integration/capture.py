@@ -28,10 +28,12 @@ BATCH_SEQUENCES = 64
 ACTIVATION_BYTES = 96 << 20  # a batch's activations inside one block, roughly: wide models get fewer tokens
 
 
-def batch_tokens(width: int) -> int:
+def batch_tokens(width: int | None) -> int:
     """Padded tokens per batch for a model of hidden size `width`: a block's activations (the 4x-wide feed-forward
     twice, queries, keys, values: about 16 float32 numbers per token and hidden unit) within ACTIVATION_BYTES.
-    all-MiniLM-L6-v2 (384): 4096 tokens; GPT-2-medium (1024): 1536."""
+    all-MiniLM-L6-v2 (384): 4096 tokens; GPT-2-medium (1024): 1536. BATCH_TOKENS where the width is unknown."""
+    if not width:
+        return BATCH_TOKENS
     return max(256, min(BATCH_TOKENS, ACTIVATION_BYTES // (64 * width)))
 
 
@@ -82,15 +84,20 @@ def token_batches(tokenizer, texts: list[str], max_length: int, token_budget: in
                and (end + 1 - start) * len(kept[order[end]]) <= most_tokens):
             end += 1
         chosen = [kept[i] for i in order[start:end]]
-        width = max(len(ids) for ids in chosen)
-        input_ids = torch.full((len(chosen), width), pad, dtype=torch.long)
-        attention_mask = torch.zeros((len(chosen), width), dtype=torch.long)
-        for row, ids in enumerate(chosen):
-            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, : len(ids)] = 1
-        batches.append((input_ids, attention_mask, [len(ids) for ids in chosen]))
+        batches.append((*right_padded(chosen, pad), [len(ids) for ids in chosen]))
         start = end
     return CalibrationBatches(batches, tokens, len(kept))
+
+
+def right_padded(sequences: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of token id lists, padded on the right to the longest."""
+    width = max(len(ids) for ids in sequences)
+    input_ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, ids in enumerate(sequences):
+        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, : len(ids)] = 1
+    return input_ids, attention_mask
 
 
 class _SeenEverything(Exception):
@@ -212,11 +219,22 @@ def collect_statistics(
     batches by (batch_tokens)."""
     from .layerwise import plan_blocks
 
-    most = batch_tokens(width) if width else BATCH_TOKENS
-    batches = token_batches(_tokenizer(folder), texts, max_length, token_budget, most)
+    batches = token_batches(_tokenizer(folder), texts, max_length, token_budget, batch_tokens(width))
     plan = plan_blocks(folder, prefixes) if scratch is not None else None
     if plan is not None:
-        return _collect_by_block(folder, family, plan, batches, progress, keep_samples, scratch), batches
+        current = _CurrentBatch()
+
+        def observe(model, prefix: str):
+            moments = {prefix: _Moments(keep=keep_samples)}
+
+            def finished() -> LayerCalibration:
+                if moments[prefix].query_count == 0 or moments[prefix].key_outer is None:
+                    raise BadInputError(f"calibration never reached {prefix}")
+                return moments[prefix].result()
+
+            return _attach_hooks(model, family, moments, current), finished
+
+        return _by_block(folder, plan, batches, current, observe, progress, scratch), batches
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(folder).eval()
@@ -234,36 +252,33 @@ def collect_statistics(
     return {p: m.result() for p, m in moments.items()}, batches
 
 
-def _collect_by_block(folder: Path, family, plan, batches: CalibrationBatches, progress, keep_samples: int,
-                      scratch: Path) -> SpillFolder:
-    """Each layer's statistics from a block-at-a-time run (layerwise.BlockRunner), kept in `scratch`."""
+def _by_block(folder: Path, plan, batches: CalibrationBatches, current: _CurrentBatch, observe, progress,
+              scratch: Path) -> SpillFolder:
+    """Each layer's record from a block-at-a-time run (layerwise.BlockRunner), kept in `scratch`.
+    `observe(model, prefix)` hooks that layer and returns (hook handles, a function giving its record once every
+    batch has run through its block)."""
     from .layerwise import BlockRunner
 
     blocks, device_map = plan
     runner = BlockRunner(folder, blocks, device_map, scratch / "activations")
     found = SpillFolder(scratch / "statistics")
-    current = _CurrentBatch()
-    label = f"calibrating{DETAIL}{batches.tokens} tokens"
     for input_ids, attention_mask, _ in batches.batches:
         runner.start({"input_ids": input_ids, "attention_mask": attention_mask})
+    label, steps = f"calibrating{DETAIL}{batches.tokens} tokens", len(blocks) * len(batches.batches)
     for index, (_, prefix) in enumerate(blocks):
-        moments = {prefix: _Moments(keep=keep_samples)}
-        handles = _attach_hooks(runner.model, family, moments, current)
+        handles, finished = observe(runner.model, prefix)
         try:
             for batch, (_, _, lengths) in enumerate(batches.batches):
                 if progress:
-                    progress(f"{label}, layer {index + 1}/{len(blocks)}", index * len(batches.batches) + batch,
-                             len(blocks) * len(batches.batches))
+                    progress(f"{label}, layer {index + 1}/{len(blocks)}", index * len(batches.batches) + batch, steps)
                 current.lengths, current.observed = lengths, 0
                 runner.run_block(index, batch, keep_output=index + 1 < len(blocks))
         finally:
             for handle in handles:
                 handle.remove()
-        if moments[prefix].query_count == 0 or moments[prefix].key_outer is None:
-            raise BadInputError(f"calibration never reached {prefix}")
-        found[prefix] = moments[prefix].result()
+        found[prefix] = finished()
     if progress:
-        progress(f"{label}, layer {len(blocks)}/{len(blocks)}", 1, 1)
+        progress(f"{label}, layer {len(blocks)}/{len(blocks)}", steps, steps)
     return found
 
 
@@ -392,13 +407,18 @@ def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[st
     the records wait there, as collect_statistics does."""
     from .layerwise import plan_blocks
 
-    batches = token_batches(_tokenizer(folder), texts, max_length, token_budget,
-                            batch_tokens(width) if width else BATCH_TOKENS)
+    batches = token_batches(_tokenizer(folder), texts, max_length, token_budget, batch_tokens(width))
     current = _CurrentBatch()
     observer = _RotaryObserver(family, layers, keep_samples, current)
     plan = plan_blocks(folder, list(layers)) if scratch is not None else None
     if plan is not None:
-        return _rotary_by_block(folder, plan, batches, observer, progress, scratch), batches
+
+        def observe(model, prefix: str):
+            module = _modules_of(model, [prefix])[prefix]
+            return [module.register_forward_pre_hook(observer.hook(prefix), with_kwargs=True)], (
+                lambda: observer.finished(prefix))
+
+        return _by_block(folder, plan, batches, current, observe, progress, scratch), batches
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(folder).eval()
@@ -421,29 +441,3 @@ def _modules_of(model, prefixes) -> dict:
     if len(modules) != len(wanted):
         raise BadInputError("not every attention module of the model could be observed for calibration")
     return modules
-
-
-def _rotary_by_block(folder: Path, plan, batches: CalibrationBatches, observer: _RotaryObserver, progress,
-                     scratch: Path) -> SpillFolder:
-    from .layerwise import BlockRunner
-
-    blocks, device_map = plan
-    runner = BlockRunner(folder, blocks, device_map, scratch / "activations")
-    modules = _modules_of(runner.model, [prefix for _, prefix in blocks])
-    found = SpillFolder(scratch / "statistics")
-    for input_ids, attention_mask, _ in batches.batches:
-        runner.start({"input_ids": input_ids, "attention_mask": attention_mask})
-    label = f"calibrating{DETAIL}{batches.tokens} tokens"
-    for index, (_, prefix) in enumerate(blocks):
-        handle = modules[prefix].register_forward_pre_hook(observer.hook(prefix), with_kwargs=True)
-        try:
-            for batch, (_, _, lengths) in enumerate(batches.batches):
-                if progress:
-                    progress(f"{label}, layer {index + 1}/{len(blocks)}", index * len(batches.batches) + batch,
-                             len(blocks) * len(batches.batches))
-                observer.current.lengths, observer.current.observed = lengths, 0
-                runner.run_block(index, batch, keep_output=index + 1 < len(blocks))
-        finally:
-            handle.remove()
-        found[prefix] = observer.finished(prefix)
-    return found

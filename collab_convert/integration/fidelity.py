@@ -66,6 +66,8 @@ def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: i
     """Top-1 agreement and mean KL(base || model) of next-token distributions over every real token of `texts`.
     Texts run in right-padded batches (a causal model's real positions never see the padding after them), as
     many as keep one batch's logits within LOGIT_BYTES."""
+    from .capture import right_padded
+
     encoded = [ids for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"] if len(ids) >= 2]
     longest = max((len(ids) for ids in encoded), default=1)
     batch_size = max(1, LOGIT_BYTES // (4 * longest * base.config.get_text_config().vocab_size))
@@ -73,13 +75,7 @@ def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: i
     for start in range(0, len(encoded), batch_size):
         if progress:
             progress("next-token agreement", start, len(encoded))
-        chosen = encoded[start : start + batch_size]
-        width = max(len(ids) for ids in chosen)
-        input_ids = torch.zeros(len(chosen), width, dtype=torch.long)
-        attention_mask = torch.zeros(len(chosen), width, dtype=torch.long)
-        for row, ids in enumerate(chosen):
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            attention_mask[row, : len(ids)] = 1
+        input_ids, attention_mask = right_padded(encoded[start : start + batch_size])
         real = attention_mask.bool()
         p = torch.log_softmax(base(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)[real]
         q = torch.log_softmax(model(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)[real]
