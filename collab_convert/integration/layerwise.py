@@ -103,8 +103,7 @@ class BlockRunner:
 
         self.scratch = scratch
         scratch.mkdir(parents=True, exist_ok=True)
-        self.model = _offloaded(AutoModel, folder, mapping, [name for name, _ in skeleton_blocks], scratch / "offload",
-                                only_blocks_float32=True)
+        self.model = _offloaded(AutoModel, folder, mapping, [name for name, _ in skeleton_blocks], scratch / "offload")
         self.model.config.use_cache = False  # a cache filled by every replayed batch would only grow
         modules = dict(self.model.named_modules())
         self.blocks = [(modules[name], prefix) for name, prefix in skeleton_blocks]
@@ -145,28 +144,35 @@ class BlockRunner:
 
 
 def load_offloaded(folder: Path, auto_class=None):
-    """The model in `folder` (float32, eval mode), each block and each module outside the blocks offloaded to
-    disk: a forward pass holds one of them in memory at a time. For measuring fidelity on models too big to
-    hold twice. Collaborative checkpoints load through our quantizer as usual."""
-    from transformers import AutoConfig, AutoModel
+    """The model in `folder` (eval mode), each block (every ModuleList entry) and each module outside the blocks
+    offloaded to disk: a forward pass holds one of them in memory at a time. Blocks run in float32, as in
+    `_offloaded`. For measuring fidelity on models too big to hold twice. Collaborative checkpoints load through
+    our quantizer as usual."""
+    from transformers import AutoModel
 
     from .loading import register
 
     register()
     auto_class = auto_class or AutoModel
-    with torch.device("meta"):
-        skeleton = auto_class.from_config(AutoConfig.from_pretrained(folder))
+    skeleton = _skeleton(folder, auto_class)
     containers = [f"{name}.{index}" for name, module in skeleton.named_modules() if isinstance(module, nn.ModuleList)
                   for index in range(len(module))]
-    return _offloaded(auto_class, folder, offload_map(skeleton, containers), containers, None, only_blocks_float32=True)
+    return _offloaded(auto_class, folder, offload_map(skeleton, containers), containers, None)
 
 
-def _offloaded(auto_class, folder: Path, mapping: dict[str, str], blocks: list[str], offload_folder: Path | None,
-               only_blocks_float32: bool = False):
-    """Loaded in the checkpoint's own dtype (converting at load would materialise every weight at once), then
-    declared float32: accelerate casts each weight to its parameter's dtype as it loads it for a forward pass.
-    `only_blocks_float32`: the modules outside the blocks keep the checkpoint's dtype (a 50k-word embedding
-    table is 200 MB in float32, and a lookup reads a few rows of it)."""
+def _skeleton(folder: Path, auto_class) -> nn.Module:
+    """The model in `folder` built on the meta device, to read its layout: nothing is allocated or loaded."""
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        return auto_class.from_config(AutoConfig.from_pretrained(folder))
+
+
+def _offloaded(auto_class, folder: Path, mapping: dict[str, str], blocks: list[str], offload_folder: Path | None):
+    """Loaded in the checkpoint's own dtype (converting at load would materialise every weight at once), then the
+    blocks declared float32: accelerate casts each weight to its parameter's dtype as it loads it for a forward
+    pass. The modules outside the blocks keep the checkpoint's dtype (a 50k-word embedding table is 200 MB in
+    float32, and a lookup reads a few rows of it); inputs are cast at each boundary."""
     # accelerate warns that offloaded parameters sit on the meta device: here that is the point
     big_modeling = logging.getLogger("accelerate.big_modeling")
     level = big_modeling.level
@@ -177,14 +183,12 @@ def _offloaded(auto_class, folder: Path, mapping: dict[str, str], blocks: list[s
     finally:
         big_modeling.setLevel(level)
     modules = dict(model.named_modules())
-    for module in [modules[block] for block in blocks] if only_blocks_float32 else [model]:
+    for block in blocks:
         # meta parameters change dtype for free; buffers and the few loaded ones are small. nn.Module's own
         # float(): transformers refuses it on models loaded through a quantizer (ours)
-        nn.Module.float(module)
-    if only_blocks_float32:
-        _cast_at_boundaries(modules, blocks, [name for name in mapping if name in modules and name not in blocks])
-    for block in blocks:
+        nn.Module.float(modules[block])
         _load_whole_block(modules[block])
+    _cast_at_boundaries(modules, blocks, [name for name in mapping if name in modules and name not in blocks])
     return model.eval()
 
 
@@ -260,12 +264,10 @@ def _load_whole_block(block: nn.Module) -> None:
 
 def plan_blocks(folder: Path, prefixes: list[str]) -> tuple[list[tuple[str, str]], dict[str, str]] | None:
     """(blocks, device map) for a block-at-a-time run of the model in `folder`, or None where it is not one stack
-    of blocks. The model is built on the meta device to read its layout: nothing is allocated or loaded."""
-    from transformers import AutoConfig, AutoModel
+    of blocks."""
+    from transformers import AutoModel
 
-    config = AutoConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        skeleton = AutoModel.from_config(config)
+    skeleton = _skeleton(folder, AutoModel)
     blocks = block_stack(skeleton, prefixes)
     if blocks is None:
         return None
