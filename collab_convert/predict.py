@@ -47,17 +47,15 @@ class FidelityEstimator:
     does not hold it, or two of it, in memory."""
 
     def __init__(self, source: SourceModel, options: CompressOptions, probe: ProbeTexts, metrics=None):
+        from .integration.capture import batch_tokens
         from .integration.fidelity import sentence_embeddings
         from .integration.layerwise import load_offloaded
         from .integration.loading import load_tokenizer
 
         self.source, self.options, self.probe, self.metrics = source, options, probe, metrics
         self.tokenizer = load_tokenizer(source.folder, "a fidelity estimate")
-        from .integration.capture import batch_tokens
-
         # as many texts per forward pass as keep a block's activations small (calibration's batch size)
-        width = max(layer.shape.input_dim for layer in source.layers)
-        self.batch_size = max(1, batch_tokens(width) // options.calibration_max_length)
+        self.batch_size = max(1, batch_tokens(source.width) // options.calibration_max_length)
         original = load_offloaded(source.folder)
         self.reference = sentence_embeddings(original, self.tokenizer, probe.texts, batch_size=self.batch_size,
                                              max_length=options.calibration_max_length)

@@ -178,7 +178,7 @@ def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: 
     calibrations, batches = collect_rotary_statistics(source.folder, source.family, layers, texts,
                                                       options.calibration_max_length, progress, keep_samples=keep,
                                                       token_budget=options.calibration_tokens, scratch=scratch,
-                                                      width=max(layer.shape.input_dim for layer in source.layers))
+                                                      width=source.width)
     refinement = (f"up to {options.refine_steps} Adam steps per layer on the error of the attention output (through "
                   f"the output projection; causal attention KL reported), each on 8 of "
                   f"{min(keep, len(texts))} sequences and 32 query positions in each, stopped and chosen on a "

@@ -106,7 +106,7 @@ def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], p
         source.folder, source.family, [layer.prefix for layer in source.layers], texts,
         options.calibration_max_length, progress, keep_samples=options.refine_samples if refines else 0,
         token_budget=options.calibration_tokens, scratch=scratch,
-        width=max(layer.shape.input_dim for layer in source.layers),
+        width=source.width,
     )
     if refines:
         from .decompose.refinement import BATCH_SEQUENCES, QUERY_ROWS

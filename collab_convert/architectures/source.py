@@ -25,6 +25,11 @@ class SourceModel:
     reader: TensorReader
     layers: list[AttentionLayer]
 
+    @property
+    def width(self) -> int:
+        """The widest attention input: the hidden size that sizes activation batches."""
+        return max(layer.shape.input_dim for layer in self.layers)
+
     def read_projections(self, layer: AttentionLayer) -> Projections:
         return self.family.layout.read(self.reader, layer)
 

@@ -20,32 +20,26 @@ class SpillFolder(MutableMapping):
     def __init__(self, folder: Path):
         self.folder = folder
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._keys: list[str] = []
-
-    def _path(self, key: str) -> Path:
-        return self.folder / f"{len(self._keys) if key not in self._keys else self._keys.index(key)}.pt"
+        self._files: dict[str, Path] = {}  # insertion-ordered; a new key gets a file number never used before
+        self._written = 0
 
     def __setitem__(self, key: str, value: Any) -> None:
-        path = self._path(key)
+        path = self._files.get(key) or self.folder / f"{self._written}.pt"
         partial = path.with_suffix(".partial")
         torch.save(value, partial)
         partial.replace(path)
-        if key not in self._keys:
-            self._keys.append(key)
+        if key not in self._files:
+            self._files[key] = path
+            self._written += 1
 
     def __getitem__(self, key: str) -> Any:
-        if key not in self._keys:
-            raise KeyError(key)
-        return torch.load(self._path(key), weights_only=False)  # our own file, from this run
+        return torch.load(self._files[key], weights_only=False)  # our own file, from this run
 
     def __delitem__(self, key: str) -> None:
-        if key not in self._keys:
-            raise KeyError(key)
-        self._path(key).unlink(missing_ok=True)
-        self._keys[self._keys.index(key)] = None  # keeps the other keys' file numbers
+        self._files.pop(key).unlink(missing_ok=True)
 
     def __iter__(self) -> Iterator[str]:
-        return (key for key in self._keys if key is not None)
+        return iter(self._files)
 
     def __len__(self) -> int:
-        return sum(key is not None for key in self._keys)
+        return len(self._files)
