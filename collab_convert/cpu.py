@@ -73,6 +73,18 @@ def math_threads(requested: int | None):
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MMAP_THRESHOLD = 1 << 20
+HEAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its moving threshold (64-bit)
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None  # glibc only
 
 
 def return_freed_memory() -> bool:
@@ -83,11 +95,25 @@ def return_freed_memory() -> bool:
     of MB of memory it no longer used (measured: 300 -> 836 MB over four passes of a 12-block GPT-2; flat at
     300 MB with a fixed threshold). A fixed 1 MiB threshold keeps every tensor-sized block mmapped, returned
     when freed. Returns whether it applied (glibc only)."""
-    import ctypes
-    import ctypes.util
+    libc = _libc()
+    return bool(libc and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
+
+@contextlib.contextmanager
+def reused_heap():
+    """Within: blocks up to 32 MiB come from glibc's heap and are reused, as glibc does by default.
+
+    Refinement allocates the same few-MB tensors at every Adam step; mmapped, each one is mapped, zeroed page
+    by page and unmapped again, which made a calibrated compress of all-MiniLM-L6-v2 38% slower (refining
+    23 -> 38 s). Its working set is one layer's, so a heap is harmless there; on the way out its free pages are
+    handed back (malloc_trim) and the 1 MiB threshold returns for the block-at-a-time passes."""
+    libc = _libc()
+    if libc is None:
+        yield
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, HEAP_THRESHOLD)
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-    except (OSError, AttributeError):
-        return False
+        yield
+    finally:
+        libc.malloc_trim(0)
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)

@@ -17,6 +17,7 @@ from .architectures.source import SourceModel
 from .decompose.costs import collaborative_cost, original_cost
 from .decompose.methods import FitRequest, LayerFit, method_named
 from .decompose.products import content_bias, relative_error
+from .cpu import reused_heap
 from .errors import BadInputError
 from .format import FormatConfig, HeadCounts, collaborative_tensors, write_config
 from .io.folders import check_output
@@ -176,7 +177,9 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
             projections, layer_fit, bias = _fit(source, layer, options, rank, metric, progress, labels)
         refinement = None
         if steps.get(layer.prefix) and rank < layer.shape.key_dim:
-            refinement = _refine(projections, layer, layer_fit, bias, metric, steps, labels, options.seed, progress)
+            with reused_heap():
+                refinement = _refine(projections, layer, layer_fit, bias, metric, steps, labels, options.seed,
+                                     progress)
             layer_fit.factors, bias = refinement.pop("factors"), refinement.pop("content_bias")
             layer_fit.relative_error = relative_error(projections.products(layer.shape.num_heads), layer_fit.factors)
         tensors = collaborative_tensors(layer.prefix, layer_fit.factors.shared_query, layer_fit.factors.shared_key,
