@@ -102,7 +102,7 @@ def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], p
     `scratch` folder the model runs a block at a time and the statistics wait there (capture.py)."""
     from .integration.capture import collect_statistics
 
-    refines = refine and bool(options.refine_steps) and source.family.refinable
+    refines = refine and bool(options.refine_steps)
     metrics, batches = collect_statistics(
         source.folder, source.family, [layer.prefix for layer in source.layers], texts,
         options.calibration_max_length, progress, keep_samples=options.refine_samples if refines else 0,
@@ -116,10 +116,8 @@ def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], p
                       f"each layer's KL before refinement; each step on {BATCH_SEQUENCES} of "
                       f"{min(options.refine_samples, len(texts))} sequences and {QUERY_ROWS} query positions in each, "
                       "stopped and chosen on a held-out tenth of them")
-    elif not options.refine_steps or not refine:
-        refinement = "off"
     else:
-        refinement = f"not available for {source.family.name} (its scores carry a relative position bias)"
+        refinement = "off"
     calibration = {
         "source": str(options.calibration),
         "examples": batches.texts,

@@ -43,9 +43,9 @@ class Family:
     # Grouped-query attention: how many key/value heads a config has (None: one per query head). The heads of
     # a group share their key, so T[i] = W_Q^(i)^T W_K^(g(i)).
     kv_heads: Callable[[dict[str, Any]], int] | None = None
-    # Scores are exactly softmax(q.k / sqrt(d_k)) plus masks, so calibration can refine them against the
-    # original's attention (families with position biases or other scalings are fitted, not refined).
-    refinable: bool = True
+    # The relative position bias a module adds to its scores, read from its bound forward arguments during
+    # calibration (None: it adds none). Refinement matches softmax(scaling * q.k + position bias) plus masks.
+    position_bias: Callable[[Any, dict[str, Any]], Any] | None = None
 
     @property
     def is_rotary(self) -> bool:
@@ -70,6 +70,23 @@ class Family:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise UnsupportedModelError(f"config.json has no valid '{site.num_heads_key}'")
         return value
+
+
+def _handed_position_bias(module, arguments: dict[str, Any]):
+    """MPNet: the encoder computes the bias once and hands it to every layer."""
+    return arguments.get("position_bias")
+
+
+def _t5_position_bias(module, arguments: dict[str, Any]):
+    """T5: the first layer of a stack computes its bias and hands it on to the others (with the mask kept
+    apart); encoder-decoder attention has none."""
+    if arguments.get("key_value_states") is not None:
+        return None
+    handed = arguments.get("position_bias")
+    if handed is not None or not getattr(module, "has_relative_attention_bias", False):
+        return handed
+    length = arguments["hidden_states"].shape[1]
+    return module.compute_bias(length, length, device=arguments["hidden_states"].device)
 
 
 _ABSOLUTE_ONLY = (
@@ -109,6 +126,7 @@ FAMILIES: tuple[Family, ...] = (
         sites=(Site(r"(^|\.)encoder\.layer\.\d+\.attention\.attn$"),),
         layout=SeparateProjections("q", "k"),
         forward=mpnet_forward,
+        position_bias=_handed_position_bias,
     ),
     Family(
         name="vit",
@@ -160,15 +178,16 @@ FAMILIES: tuple[Family, ...] = (
         layout=SeparateProjections("q_proj", "k_proj"),
     ),
     Family(
-        # No 1/sqrt(d_k) scaling and a relative position bias: both stay exactly as they are.
+        # No 1/sqrt(d_k) scaling (the module's scaling is 1) and a relative position bias: both stay as they are.
         name="t5",
         model_types=("t5", "mt5"),
         sites=(
-            Site(r"(^|\.)(encoder|decoder)\.block\.\d+\.layer\.0\.SelfAttention$", "num_heads"),
+            Site(r"(^|\.)encoder\.block\.\d+\.layer\.0\.SelfAttention$", "num_heads"),
+            Site(r"(^|\.)decoder\.block\.\d+\.layer\.0\.SelfAttention$", "num_heads", causal=True),
             Site(r"(^|\.)decoder\.block\.\d+\.layer\.1\.EncDecAttention$", "num_heads", cross=True),
         ),
         layout=SeparateProjections("q", "k"),
-        refinable=False,
+        position_bias=_t5_position_bias,
     ),
 )
 

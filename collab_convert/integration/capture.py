@@ -296,9 +296,9 @@ def _attach_hooks(model, family, moments: dict[str, _Moments], current: _Current
         adders = {"query": moments[prefix].add_query, "key": moments[prefix].add_key}
         for point, sides in family.layout.hook_points(module):
             handles.append(point.register_forward_pre_hook(_hook(current, *(adders[side] for side in sides))))
-        if moments[prefix].keep and "position_bias" in inspect.signature(module.forward).parameters:
-            handles.append(module.register_forward_pre_hook(_position_bias_hook(module, moments[prefix]),
-                                                            with_kwargs=True))
+        if moments[prefix].keep and family.position_bias is not None:
+            hook = _position_bias_hook(module, family.position_bias, moments[prefix])
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     if not handles:
         raise BadInputError("no attention module of the model could be observed for calibration")
     return handles
@@ -320,12 +320,13 @@ def _run(model, batches: CalibrationBatches, current: _CurrentBatch, progress) -
         progress(f"calibrating{DETAIL}{batches.tokens} tokens", done, batches.texts)
 
 
-def _position_bias_hook(module, moments: _Moments):
-    """The relative position bias the module is handed (MPNet's), for refinement to add as the module does."""
+def _position_bias_hook(module, read_bias, moments: _Moments):
+    """The relative position bias the module adds to its scores (family.position_bias reads it from the
+    module's arguments), for refinement to add as the module does."""
     signature = inspect.signature(module.forward)
 
     def hook(module, args, kwargs):
-        bias = signature.bind_partial(*args, **kwargs).arguments.get("position_bias")
+        bias = read_bias(module, signature.bind_partial(*args, **kwargs).arguments)
         if isinstance(bias, torch.Tensor):
             moments.add_position_bias(bias)
 
