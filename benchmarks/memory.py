@@ -41,20 +41,25 @@ def rss():
             return int(line.split()[1]) * 1024
 baseline = rss()
 peak = [baseline]
+stage, stage_peaks = ["start"], {}  # the peak within each progress stage, to say which one sets the peak
 running = [True]
 def sample():
     while running[0]:
-        peak[0] = max(peak[0], rss())
+        now = rss()
+        peak[0] = max(peak[0], now)
+        stage_peaks[stage[0]] = max(stage_peaks.get(stage[0], 0), now - baseline)
         time.sleep(0.002)
+def progress(label, done, total):
+    stage[0] = label.split(" \N{MIDDLE DOT} ")[0]
 threading.Thread(target=sample, daemon=True).start()
 started = time.perf_counter()
 result = collab_convert.compress(sys.argv[1], collab_convert.CompressOptions(
-    rank=int(sys.argv[3]), output=Path(sys.argv[2]), max_shard_size="100MB", **settings))
+    rank=int(sys.argv[3]), output=Path(sys.argv[2]), max_shard_size="100MB", **settings), progress)
 seconds = time.perf_counter() - started
 running[0] = False
 peak[0] = max(peak[0], rss())
 print(json.dumps({"baseline": baseline, "peak": peak[0], "seconds": seconds, "stages": result.stage_seconds,
-                  "files": [f for f in result.files if f.endswith(".safetensors")]}))
+                  "stage_peaks": stage_peaks, "files": [f for f in result.files if f.endswith(".safetensors")]}))
 """
 
 
@@ -116,6 +121,8 @@ def main() -> None:
             print(f"{layers:>6} {size / 1e6:>9.0f}MB {shards:>7} {above / 1e6:>18.0f}MB {above / size:>7.1%} "
                   f"{measured['seconds']:>8.1f}")
             print("        seconds per stage: " + ", ".join(f"{k} {v:.1f}" for k, v in measured["stages"].items()))
+            print("        peak above baseline per stage: "
+                  + ", ".join(f"{k} {v / 1e6:.0f}MB" for k, v in measured["stage_peaks"].items()))
     print("\ntarget: peak above baseline under half the checkpoint size, and flat as models grow")
 
 

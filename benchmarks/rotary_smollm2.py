@@ -3,6 +3,7 @@
 needs `gguf` and `accelerate`).
 
     python benchmarks/rotary_smollm2.py [--budgets 1.0,0.75,0.5] [--calibration 256] [--evaluate 64]
+                                        [--calibration-max-length 256]
 
 Printed side by side, in one run: perplexity on held-out Brown documents (disjoint Brown texts from the
 calibration documents, first 256 tokens each) of
@@ -91,6 +92,8 @@ def main() -> None:
     parser.add_argument("--calibration", type=int, default=256)
     parser.add_argument("--evaluate", type=int, default=64)
     parser.add_argument("--refine-steps", type=int, default=300)
+    parser.add_argument("--calibration-max-length", type=int, default=256,
+                        help="tokens of each calibration document (perplexity is measured on 256)")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -105,7 +108,7 @@ def main() -> None:
     original = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     base = perplexity(original, tokenizer, held_out)
     print(f"SmolLM2-135M-Instruct, {len(held_out)} held-out Brown documents (256 tokens), "
-          f"{len(calibration)} calibration documents")
+          f"{len(calibration)} calibration documents ({args.calibration_max_length} tokens)")
     print(f"original perplexity {base:.3f}")
     prompt = held_out[0]
     with tempfile.TemporaryDirectory() as scratch:
@@ -118,7 +121,8 @@ def main() -> None:
                        "-o", str(out), "--json"]
             if budget < 1:
                 command += ["--calibration", str(calibration_file), "--calibration-samples", str(len(calibration)),
-                            "--refine-steps", str(args.refine_steps)]
+                            "--refine-steps", str(args.refine_steps),
+                            "--calibration-max-length", str(args.calibration_max_length)]
             subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
             seconds = time.perf_counter() - started
             ours = load_model(out).eval()

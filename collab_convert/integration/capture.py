@@ -237,7 +237,9 @@ def collect_statistics(
         return _by_block(folder, plan, batches, current, observe, progress, scratch), batches
     from transformers import AutoModel
 
-    model = AutoModel.from_pretrained(folder).eval()
+    from .loading import for_measuring
+
+    model = for_measuring(AutoModel.from_pretrained(folder))
     moments = {p: _Moments(keep=keep_samples) for p in prefixes}
     current = _CurrentBatch()
     handles = _attach_hooks(model, family, moments, current)
@@ -422,7 +424,9 @@ def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[st
         return _by_block(folder, plan, batches, current, observe, progress, scratch), batches
     from transformers import AutoModel
 
-    model = AutoModel.from_pretrained(folder).eval()
+    from .loading import for_measuring
+
+    model = for_measuring(AutoModel.from_pretrained(folder))
     handles = [module.register_forward_pre_hook(observer.hook(prefix), with_kwargs=True)
                for prefix, module in _modules_of(model, layers).items()]
     try:

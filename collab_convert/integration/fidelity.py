@@ -93,15 +93,15 @@ def verify(model: str, against: str, texts: list[str], thresholds: dict[str, flo
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from ..io.folders import resolve_model
-    from .loading import load_tokenizer, register
+    from .loading import for_measuring, load_tokenizer, register
 
     register()
     folder, base_folder = resolve_model(model), resolve_model(against)
     tokenizer = load_tokenizer(folder, f"verifying {model}")
     config = AutoConfig.from_pretrained(base_folder)
     causal = is_language_model(config.architectures)
-    base = AutoModel.from_pretrained(base_folder).eval()
-    compressed = AutoModel.from_pretrained(folder).eval()
+    base = for_measuring(AutoModel.from_pretrained(base_folder))
+    compressed = for_measuring(AutoModel.from_pretrained(folder))
     cos = cosine_stats(
         sentence_embeddings(base, tokenizer, texts, max_length=max_length, progress=progress, what="embedding (base)"),
         sentence_embeddings(compressed, tokenizer, texts, max_length=max_length, progress=progress,
@@ -110,8 +110,8 @@ def verify(model: str, against: str, texts: list[str], thresholds: dict[str, flo
     result = VerifyResult(model, against, len(texts), cos.mean, cos.p01, cos.minimum)
     if causal:
         result.top1_agreement, result.kl_mean = next_token_agreement(
-            AutoModelForCausalLM.from_pretrained(folder).eval(),
-            AutoModelForCausalLM.from_pretrained(base_folder).eval(),
+            for_measuring(AutoModelForCausalLM.from_pretrained(folder)),
+            for_measuring(AutoModelForCausalLM.from_pretrained(base_folder)),
             tokenizer, texts, max_length, progress,
         )
     result.failures = threshold_failures(result, thresholds or {})

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..modeling.collaborative import strip_prefix
+from .loading import for_measuring
 
 
 def block_stack(skeleton: nn.Module, prefixes: list[str]) -> list[tuple[str, str]] | None:
@@ -104,7 +105,6 @@ class BlockRunner:
         self.scratch = scratch
         scratch.mkdir(parents=True, exist_ok=True)
         self.model = _offloaded(AutoModel, folder, mapping, [name for name, _ in skeleton_blocks], scratch / "offload")
-        self.model.config.use_cache = False  # a cache filled by every replayed batch would only grow
         modules = dict(self.model.named_modules())
         self.blocks = [(modules[name], prefix) for name, prefix in skeleton_blocks]
         self.batches = 0
@@ -189,7 +189,7 @@ def _offloaded(auto_class, folder: Path, mapping: dict[str, str], blocks: list[s
         nn.Module.float(modules[block])
         _load_whole_block(modules[block])
     _cast_at_boundaries(modules, blocks, [name for name in mapping if name in modules and name not in blocks])
-    return model.eval()
+    return for_measuring(model)
 
 
 def _cast_at_boundaries(modules: dict[str, nn.Module], blocks: list[str], others: list[str]) -> None:

@@ -92,7 +92,10 @@ def test_offloaded_collaborative_model_runs_as_loaded_whole(tmp_path):
     assert all(p.is_meta for p in offloaded.parameters())  # nothing held between forward passes
     whole = load_model(tmp_path / "out", AutoModelForCausalLM, dtype=torch.float32)
     with torch.no_grad():
-        assert torch.allclose(offloaded(ids).logits, whole(ids).logits, atol=1e-5)
+        measured = offloaded(ids)
+        assert torch.allclose(measured.logits, whole(ids).logits, atol=1e-5)
+    # nor during one: a KV cache would hold every block's keys and values to the end of the pass
+    assert measured.cache is None
 
 
 def test_calibrated_compress_leaves_no_scratch_behind(tiny_bert, calibration_file, tmp_path):
