@@ -26,6 +26,7 @@ from .decompose.rotary import (
     projection_tokens,
     statistics_of,
 )
+from .cpu import reused_heap
 from .errors import BadInputError
 from .format import (
     FUSED_QUERY,
@@ -243,8 +244,9 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, stat
     if calibration is not None and calibration.samples and ranks != KeyRanks.full(geometry_of(layer)):
         from .decompose.rotary_refinement import refine_shared_key
 
-        refined = refine_shared_key(calibration.samples, factors, geometry_of(layer), calibration.setting,
-                                    steps=options.refine_steps, seed=options.seed)
+        with reused_heap():  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
+            refined = refine_shared_key(calibration.samples, factors, geometry_of(layer), calibration.setting,
+                                        steps=options.refine_steps, seed=options.seed)
         factors = refined.factors
         refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
                       "objective": refined.objective, "loss_before": refined.loss_before,
