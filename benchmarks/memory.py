@@ -27,6 +27,7 @@ from pathlib import Path
 MEASURE = r"""
 import json, sys, threading, time
 import collab_convert, torch, matplotlib.pyplot  # imports are the baseline, not the work
+from collab_convert.progress import stage_of
 from pathlib import Path
 
 settings = json.loads(sys.argv[5])
@@ -50,7 +51,7 @@ def sample():
         stage_peaks[stage[0]] = max(stage_peaks.get(stage[0], 0), now - baseline)
         time.sleep(0.002)
 def progress(label, done, total):
-    stage[0] = label.split(" \N{MIDDLE DOT} ")[0]
+    stage[0] = stage_of(label)  # the stage names report.json's seconds use
 threading.Thread(target=sample, daemon=True).start()
 started = time.perf_counter()
 result = collab_convert.compress(sys.argv[1], collab_convert.CompressOptions(
