@@ -1,6 +1,6 @@
 """Forward and decode speed of collaborative models against their originals, measured side by side.
 
-    python benchmarks/inference_speed.py [--quick]
+    python benchmarks/inference_speed.py [--quick] [--parts encoder,onnx,decoder] [--prompt-length N]
 
 - Encoder: all-MiniLM-L6-v2 (the embedded default), batch 32 x 128 tokens, forward pass, at ranks 192 and 96.
 - ONNX: the same encoders exported (`collab-convert export`) and run in onnxruntime, against the original's
@@ -15,6 +15,7 @@ hits every model alike. Ratios are compressed / original: below 1 is faster. CPU
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import tempfile
@@ -126,11 +127,20 @@ def onnx(scratch: Path, repeats: int) -> None:
 
 
 def main() -> None:
-    quick = "--quick" in sys.argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 interleaved runs (5 decode steps), 512-token prompt")
+    parser.add_argument("--parts", default="encoder,onnx,decoder", help="which comparisons to run, comma-separated")
+    parser.add_argument("--prompt-length", type=int, default=None, help="decoder prompt (default 2048; 512 quick)")
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    prompt_length = args.prompt_length or (512 if args.quick else 2048)
     with tempfile.TemporaryDirectory() as scratch:
-        encoder(Path(scratch), 3 if quick else 9)
-        onnx(Path(scratch), 3 if quick else 9)
-        decoder(Path(scratch), 5 if quick else 21, 512 if quick else 2048)
+        if "encoder" in parts or "onnx" in parts:
+            encoder(Path(scratch), 3 if args.quick else 9)
+        if "onnx" in parts:
+            onnx(Path(scratch), 3 if args.quick else 9)
+        if "decoder" in parts:
+            decoder(Path(scratch), 5 if args.quick else 21, prompt_length)
 
 
 if __name__ == "__main__":

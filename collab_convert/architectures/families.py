@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UnsupportedModelError
-from ..modeling.forwards import gpt_bigcode_forward, mpnet_forward, opt_forward
+from ..modeling.forwards import gpt2_forward, gpt_bigcode_forward, mpnet_forward, opt_forward
 from ..format import HeadCounts
 from .layouts import FusedProjection, Layout, SeparateProjections
 from .rotary import RotaryProjections
@@ -139,6 +139,7 @@ FAMILIES: tuple[Family, ...] = (
         model_types=("gpt2",),
         sites=(Site(r"(^|\.)h\.\d+\.attn$", "n_head", causal=True),),
         layout=FusedProjection("c_attn", conv1d=True),
+        forward=gpt2_forward,  # so the cache holds exactly the packed shared key (no head-size chunks)
         requires=(
             ("reorder_and_upcast_attn", (None, False), "its upcast path multiplies the per-head queries and keys"),
             ("add_cross_attention", (None, False), "its cross-attention fuses keys with values differently"),

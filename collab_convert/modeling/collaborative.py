@@ -5,7 +5,9 @@ shared_query, shared_key, mixing, content_bias. The module keeps its own forward
 modules all follow `q = self.<query>(h).view(..., -1, head_dim).transpose(1, 2)`, likewise for keys, then
 `ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation](self, q, k, v, mask, scaling=...)`, so handing them
 the shared query and the packed shared key and dispatching to the collaborative attention function (see
-attention.py) is enough. A KV cache stores the shared key: R + N_h numbers per token, not N_h d_k.
+attention.py) is enough. A KV cache stores the shared key: R + N_h numbers per token, not N_h d_k (exactly
+that where the family has a forward of our own, modeling/forwards.py; padded to whole head_dim chunks where
+the module's own forward views keys head by head).
 
 Which projections to take off, and how, is the family's layout (architectures/layouts.py), handed in.
 """
@@ -44,13 +46,13 @@ class CollaborativeMixin:
         weight = torch.cat([self.shared_key.weight, self.content_bias])
         return nn.functional.linear(hidden_states, _zero_rows(weight, self._key_width))
 
-    def pseudo_heads(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Shared query and packed shared key as (B, pseudo-heads, n, head_dim), for forwards of our own."""
-        shape = (*hidden_states.shape[:-1], -1, self.collaborative_head_dim)
-        return (
-            self.collaborative_query(hidden_states).view(shape).transpose(1, 2),
-            self.collaborative_key(hidden_states).view(shape).transpose(1, 2),
-        )
+    def shared_heads(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shared query (B, 1, n, R) and packed shared key (B, 1, n, R + N_h), unpadded: one pseudo-head each,
+        for forwards of our own. A cache then stores exactly R + N_h numbers per token, with no head-size
+        chunks, and the score path reads it as one (B, m, R + N_h) matrix without a copy."""
+        key_weight = torch.cat([self.shared_key.weight, self.content_bias])
+        return (nn.functional.linear(hidden_states, self.shared_query.weight).unsqueeze(1),
+                nn.functional.linear(hidden_states, key_weight).unsqueeze(1))
 
     def collaborative_fused(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Stands in for a fused query/key/value projection: [shared query | packed shared key | values].

@@ -16,7 +16,7 @@ from .attention import collaborative_attention, unpack_pseudo_heads
 def mpnet_forward(self, hidden_states, attention_mask=None, position_bias=None, output_attentions=False, **kwargs):
     """MPNetSelfAttention.forward (transformers 5), which scores inline, with collaborative queries and keys."""
     input_shape = hidden_states.shape[:-1]
-    queries, keys = unpack_pseudo_heads(self, *self.pseudo_heads(hidden_states))
+    queries, keys = unpack_pseudo_heads(self, *self.shared_heads(hidden_states))
     values = self.v(hidden_states).view(*input_shape, -1, self.attention_head_size).transpose(1, 2)
     scores = torch.matmul(queries, keys.transpose(-1, -2)) / math.sqrt(self.attention_head_size)
     if position_bias is not None:
@@ -35,7 +35,7 @@ def opt_forward(self, hidden_states, cache=None, attention_mask=None, output_att
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
     batch, length, _ = hidden_states.size()
-    queries, keys = self.pseudo_heads(hidden_states)
+    queries, keys = self.shared_heads(hidden_states)
     values = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
     # OPT scales its queries before the call; passing the scaling instead gives the same product
     output, weights = _attend(self, queries, keys, values, cache, attention_mask, self.dropout, kwargs)
@@ -50,7 +50,7 @@ def gpt_bigcode_forward(self, hidden_states, layer_past=None, attention_mask=Non
     for unused in ("encoder_hidden_states", "encoder_attention_mask", "use_cache", "output_attentions"):
         kwargs.pop(unused, None)
     input_shape = hidden_states.shape[:-1]
-    queries, keys = self.pseudo_heads(hidden_states)
+    queries, keys = self.shared_heads(hidden_states)
     values = getattr(self, FUSED_VALUE)(hidden_states).unsqueeze(1)  # (B, 1, n, d): one value head
     if layer_past is not None:
         from transformers.cache_utils import EncoderDecoderCache
@@ -58,6 +58,27 @@ def gpt_bigcode_forward(self, hidden_states, layer_past=None, attention_mask=Non
         if isinstance(layer_past, EncoderDecoderCache):
             layer_past = layer_past.self_attention_cache
     output, weights = _attend(self, queries, keys, values, layer_past, attention_mask, self.attn_dropout, kwargs)
+    output = self.c_proj(output.reshape(*input_shape, -1).contiguous())
+    return self.resid_dropout(output), weights
+
+
+def gpt2_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    """GPT2Attention.forward (transformers 5, self-attention: the family refuses cross-attention and the upcast
+    path), with collaborative queries and keys, so its cache stores exactly the packed shared key."""
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None) or kwargs.pop("layer_past", None)
+    for unused in ("encoder_hidden_states", "encoder_attention_mask", "use_cache", "output_attentions"):
+        kwargs.pop(unused, None)
+    if cache is not None:
+        from transformers.cache_utils import EncoderDecoderCache
+
+        if isinstance(cache, EncoderDecoderCache):
+            cache = cache.self_attention_cache
+    input_shape = hidden_states.shape[:-1]
+    queries, keys = self.shared_heads(hidden_states)
+    values = getattr(self, FUSED_VALUE)(hidden_states)
+    values = values.view(*input_shape, -1, self.head_dim).transpose(1, 2)
+    output, weights = _attend(self, queries, keys, values, cache, attention_mask, self.attn_dropout.p, kwargs)
     output = self.c_proj(output.reshape(*input_shape, -1).contiguous())
     return self.resid_dropout(output), weights
 

@@ -68,19 +68,19 @@ def test_greedy_generation_is_identical_at_full_rank(case, tmp_path):
     assert torch.equal(a, b)
 
 
-def test_decoder_cache_holds_the_shared_key(tmp_path):
-    case = next(c for c in CASES if c.name == "opt")
+@pytest.mark.parametrize("name", ["opt", "gpt2", "gpt_bigcode"])
+def test_decoder_cache_holds_exactly_the_shared_key(name, tmp_path):
+    case = next(c for c in CASES if c.name == name)
     build_family(case, tmp_path / "model")
     rank = 12
     compress(str(tmp_path / "model"), CompressOptions(rank=rank, output=tmp_path / "out"))
     model = case.auto_class().from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         cache = model(input_ids=torch.randint(3, 60, (1, 7)), use_cache=True).past_key_values
-    keys = cache.layers[0].keys  # (batch, pseudo-heads, tokens, head_dim)
-    per_token = keys.shape[1] * keys.shape[3]
-    # the shared key (R) and one content-bias score per head, padded to whole head-size chunks
-    assert per_token == 8 * -(-(rank + 4) // 8) < 4 * 8 * 2
-    assert per_token < case.heads * case.head_dim
+    keys = cache.layers[0].keys  # (batch, 1, tokens, R + N_h): one packed shared key per token
+    # the shared key (R) and one content-bias score per head, nothing padded
+    assert keys.shape == (1, 1, 7, rank + case.heads)
+    assert keys.shape[-1] < case.heads * case.head_dim
 
 
 def test_multi_query_layout_is_recorded(tmp_path):
