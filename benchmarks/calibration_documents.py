@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import brown  # noqa: E402
+from neighbour import busy_neighbour  # noqa: E402
 
 WORDS_PER_DOCUMENT = 200
 
@@ -51,15 +52,6 @@ def documents(words_per_document: int = WORDS_PER_DOCUMENT) -> tuple[list[str], 
     return calibration, held_out
 
 
-NEIGHBOUR = """
-import torch
-torch.set_num_threads(1)
-a = torch.randn(1024, 1024)
-while True:
-    a = torch.tanh(a @ a / 32)
-"""
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", default="192,96")
@@ -69,14 +61,10 @@ def main() -> None:
     parser.add_argument("--loaded", action="store_true", help="a second job runs beside the measurement")
     parser.add_argument("--scaling", action="store_true", help="also the cost per layer as tokens and length double")
     args = parser.parse_args()
-    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) if args.loaded else None
-    try:
+    with busy_neighbour(args.loaded):
         fidelity(args)
         if args.scaling:
             scaling()
-    finally:
-        if neighbour is not None:
-            neighbour.kill()
 
 
 def fidelity(args) -> None:

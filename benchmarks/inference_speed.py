@@ -1,6 +1,6 @@
 """Forward and decode speed of collaborative models against their originals, measured side by side.
 
-    python benchmarks/inference_speed.py [--quick] [--parts encoder,onnx,decoder] [--prompt-length N]
+    python benchmarks/inference_speed.py [--quick] [--parts encoder,onnx,decoder] [--prompt-length N] [--loaded]
 
 - Encoder: all-MiniLM-L6-v2 (the embedded default), batch 32 x 128 tokens, forward pass, at ranks 192 and 96.
 - ONNX: the same encoders exported (`collab-convert export`) and run in onnxruntime, against the original's
@@ -26,9 +26,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 import collab_convert  # noqa: E402,F401 - registers the loader with transformers
 from collab_convert import CompressOptions, compress  # noqa: E402
 from collab_convert.io.folders import DEFAULT_MODEL, resolve_model  # noqa: E402
+from neighbour import busy_neighbour  # noqa: E402
 
 
 def interleaved(calls: dict, repeats: int) -> dict[str, float]:
@@ -130,11 +133,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 interleaved runs (5 decode steps), 512-token prompt")
     parser.add_argument("--parts", default="encoder,onnx,decoder", help="which comparisons to run, comma-separated")
+    parser.add_argument("--loaded", action="store_true", help="a second job runs beside the measurement")
     parser.add_argument("--prompt-length", type=int, default=None, help="decoder prompt (default 2048; 512 quick)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     prompt_length = args.prompt_length or (512 if args.quick else 2048)
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch, busy_neighbour(args.loaded):
+        if args.loaded:
+            print("A second job (one thread of float32 matrix products) runs beside the whole measurement.")
         if "encoder" in parts or "onnx" in parts:
             encoder(Path(scratch), 3 if args.quick else 9)
         if "onnx" in parts:

@@ -31,6 +31,24 @@ def pseudo_heads(batch, n, m, heads, rank, head_dim):
     return padded(rank, n), padded(rank + heads, m)
 
 
+def masks(kind, batch, n, m):
+    """(the mask handed to the score path, the same as an additive float mask for per-head attention)"""
+    minimum = torch.finfo(torch.float32).min
+    if kind == "padding":
+        mask = torch.zeros(batch, 1, 1, m)
+        mask[1, ..., 3:] = minimum
+        return mask, mask
+    if kind == "bool":
+        mask = torch.ones(batch, 1, n, m, dtype=torch.bool).tril(m - n)
+        return mask, torch.zeros(batch, 1, n, m).masked_fill(~mask, minimum)
+    if kind == "full-float":
+        mask = torch.randn(batch, 1, n, m)
+        return mask, mask
+    if kind == "causal-none":  # no mask: the module is causal, queries are the last n of m positions
+        return None, torch.zeros(n, m).masked_fill(torch.ones(n, m, dtype=torch.bool).triu(m - n + 1), minimum)
+    return None, None
+
+
 @pytest.mark.parametrize("mask_kind", ["none", "padding", "bool", "causal-none", "full-float"])
 @pytest.mark.parametrize("value_heads", [4, 1, 2])
 def test_shared_key_path_matches_per_head_attention(mask_kind, value_heads):
@@ -39,22 +57,37 @@ def test_shared_key_path_matches_per_head_attention(mask_kind, value_heads):
     module = FakeModule(heads, rank, causal=mask_kind == "causal-none")
     query, key = pseudo_heads(batch, n, n, heads, rank, head_dim)
     value = torch.randn(batch, value_heads, n, head_dim)
-    mask = None
-    if mask_kind == "padding":
-        mask = torch.zeros(batch, 1, 1, n)
-        mask[1, ..., 3:] = torch.finfo(torch.float32).min
-    elif mask_kind == "bool":
-        mask = torch.ones(batch, 1, n, n, dtype=torch.bool).tril()
-    elif mask_kind == "full-float":
-        mask = torch.randn(batch, 1, n, n)
+    mask, additive = masks(mask_kind, batch, n, n)
     fast, fast_weights = shared_key_attention(module, query, key, value, mask, scaling=0.3)
-    if mask_kind == "bool":
-        mask = torch.zeros(batch, 1, n, n).masked_fill(~mask, torch.finfo(torch.float32).min)
-    if mask_kind == "causal-none":
-        mask = torch.zeros(n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
-    slow, slow_weights = _per_head_attention(module, query, key, value, mask, scaling=0.3)
+    slow, slow_weights = _per_head_attention(module, query, key, value, additive, scaling=0.3)
     assert torch.allclose(fast, slow, atol=1e-5) and torch.allclose(fast_weights, slow_weights, atol=1e-6)
     assert fast.shape == (batch, n, heads, head_dim)
+
+
+@pytest.mark.parametrize("block_numbers", [1, 700, 1 << 20], ids=["row-blocks", "sequence-blocks", "one-block"])
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "bool", "causal-none", "full-float"])
+@pytest.mark.parametrize("cached", [False, True], ids=["prefill", "with-cache"])
+def test_blocked_inference_matches_per_head_attention(block_numbers, mask_kind, cached, monkeypatch):
+    # Inference without weights to return runs in blocks of sequences or of query rows; a cache makes the
+    # queries the last n of m positions. Every blocking gives per-head attention's output.
+    from collab_convert.modeling import attention
+
+    monkeypatch.setattr(attention, "BLOCK_NUMBERS", block_numbers)
+    torch.manual_seed(1)
+    batch, heads, rank, head_dim = 5, 4, 6, 8
+    n, m = (3, 7) if cached else (7, 7)
+    module = FakeModule(heads, rank, causal=mask_kind == "causal-none")
+    query, key = pseudo_heads(batch, n, m, heads, rank, head_dim)
+    value = torch.randn(batch, 2, m, head_dim)
+    mask, additive = masks(mask_kind, batch, n, m)
+    bias = torch.randn(1, heads, n, m)
+    with torch.no_grad():
+        fast, weights = shared_key_attention(module, query, key, value, mask, scaling=0.3, keep_weights=False,
+                                             position_bias=bias)
+        combined = bias if additive is None else bias + additive
+        slow, _ = _per_head_attention(module, query, key, value, combined, scaling=0.3)
+    assert weights is None and fast.shape == (batch, n, heads, head_dim)
+    assert torch.allclose(fast, slow, atol=1e-5)
 
 
 def test_eager_and_sdpa_give_the_same_collaborative_model(tiny_bert, tmp_path, token_batch):
