@@ -109,8 +109,8 @@ def shared_key_attention(module, query, key, value, attention_mask, scaling=None
     (one number per key and head) joins the mask as a (B, N_h, 1, m) term. Then softmax, dropout and the
     values, as the eager and SDPA functions do.
 
-    Without weights to return (SDPA returns none) and without gradients, CPU inference runs in blocks that
-    stay in cache (see _blocked_inference); the result is the same."""
+    Without weights to return (SDPA returns none), gradients or a tracer, CPU inference runs in blocks that stay
+    in cache (see _blocked_inference); the result is the same."""
     heads, rank = module.mixing.shape
     batch, n, m = query.shape[0], query.shape[2], key.shape[2]
     scaling = 1.0 if scaling is None else scaling
@@ -120,7 +120,8 @@ def shared_key_attention(module, query, key, value, attention_mask, scaling=None
         value = value.repeat_interleave(heads // value.shape[1], dim=1)
     position_bias = kwargs.get("position_bias")
     training = torch.is_grad_enabled() and (query.requires_grad or module.mixing.requires_grad)
-    if not keep_weights and not training and query.device.type == "cpu":
+    tracing = torch.compiler.is_compiling() or torch.jit.is_tracing()  # exporters (ONNX) want one plain graph
+    if not keep_weights and not training and not tracing and query.device.type == "cpu":
         return _blocked_inference(module, shared_query, packed_key, value, attention_mask, position_bias, scaling,
                                   dropout, kwargs.get("is_causal")), None
     queries = shared_query.unsqueeze(1) * (module.mixing * scaling).to(query.dtype)[None, :, None, :]
