@@ -50,9 +50,18 @@ class CollaborativeMixin:
         """Shared query (B, 1, n, R) and packed shared key (B, 1, n, R + N_h), unpadded: one pseudo-head each,
         for forwards of our own. A cache then stores exactly R + N_h numbers per token, with no head-size
         chunks, and the score path reads it as one (B, m, R + N_h) matrix without a copy."""
-        key_weight = torch.cat([self.shared_key.weight, self.content_bias])
         return (nn.functional.linear(hidden_states, self.shared_query.weight).unsqueeze(1),
-                nn.functional.linear(hidden_states, key_weight).unsqueeze(1))
+                self._packed_key(hidden_states).unsqueeze(1))
+
+    def _packed_key(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[y W~_K, y.r_1 .. y.r_N] (…, R + N_h), joining whichever is smaller: the two weights (many tokens: one
+        GEMM) or the two outputs (a few tokens, as in a decode step, where copying the weights would cost more
+        than the product)."""
+        tokens = hidden_states.numel() // hidden_states.shape[-1]
+        if tokens >= hidden_states.shape[-1]:
+            return nn.functional.linear(hidden_states, torch.cat([self.shared_key.weight, self.content_bias]))
+        return torch.cat([nn.functional.linear(hidden_states, self.shared_key.weight),
+                          nn.functional.linear(hidden_states, self.content_bias)], dim=-1)
 
     def collaborative_fused(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Stands in for a fused query/key/value projection: [shared query | packed shared key | values].
