@@ -111,12 +111,28 @@ def _stages(source: SourceModel, model: str, options: CompressOptions, progress:
         progress("measuring fidelity", 0, 1)
         result.fidelity = estimator.measured(staged.folder)
         progress("measuring fidelity", 1, 1)
+    if options.timing:
+        result.runtime = _timed(source, staged.folder, progress)
     progress("writing reports and plots", 0, 1)
     files += ["config.json"] + _write_reports(result, source, staged.folder, started, options.plots, progress)
     progress("writing reports and plots", 1, 1)
     result.files = sorted(files)
     staged.commit()
     return result
+
+
+def _timed(source: SourceModel, folder: Path, progress: Progress) -> dict:
+    """--timing: time per token of the original and the result, side by side (integration/runtime.py)."""
+    from .integration.fidelity import is_language_model
+    from .integration.runtime import time_per_token, why_not_timed
+
+    reason = why_not_timed(source.config)
+    if reason:
+        return {"skipped": reason}
+    progress("timing inference", 0, 1)
+    timed = time_per_token(source.folder, folder, is_language_model(source.config.get("architectures")))
+    progress("timing inference", 1, 1)
+    return timed
 
 
 def _rotary(source: SourceModel, options: CompressOptions, texts: list[str] | None, progress: Progress,

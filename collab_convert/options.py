@@ -90,6 +90,9 @@ class CompressOptions(_ModelInputs):
         DEFAULT_METHOD, description=" or ".join(f"{name} ({m.description.split(':')[0]})" for name, m in METHODS.items()) + "."
     )
     overwrite: bool = Field(False, description="Replace OUTPUT if it exists and is not empty.")
+    timing: bool = Field(False, description="Measure time per token of the original and the result on this machine "
+                         "(encoders: a forward pass; language models: a decode step) at 128 and 512 tokens, for the "
+                         "report and model card. Loads both models whole.")
     plots: bool = Field(True, description="Draw spectra.png and errors.png beside the reports (--no-plots skips "
                         "them: matplotlib is a third of a small model's compress time).",
                         json_schema_extra={"flags": ["--plots/--no-plots"]})

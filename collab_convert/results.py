@@ -130,6 +130,8 @@ class CompressResult(_Data):
     # seconds per stage (opening, calibrating, fitting, refining, writing, ...), as the progress display showed them
     stage_seconds: dict[str, float] | None = None
     threads: dict[str, Any] | None = None  # CPU threads the math ran on, and why that many (cpu.py)
+    # with --timing: milliseconds per token of the original and the result, measured side by side (runtime.py)
+    runtime: dict[str, Any] | None = None
 
     @property
     def parameters_before(self) -> int:

@@ -1,6 +1,7 @@
 """The one summary of a compressed checkpoint that report.md and the model card both print, so they tell the
 same story: the rank, what it saves (parameters, key cache), what it costs (query/key compute per token at a
-few context lengths, and where it breaks even), and the fidelity measured, with what it was measured on."""
+few context lengths, and where it breaks even; time per token where it was measured), and the fidelity
+measured, with what it was measured on."""
 
 from __future__ import annotations
 
@@ -100,10 +101,24 @@ def fidelity_lines(result: "CompressResult") -> list[str]:
     return [line]
 
 
+def runtime_lines(result: "CompressResult") -> list[str]:
+    """Time per token measured side by side (--timing), or where to get it: MACs alone do not tell the time."""
+    runtime = result.runtime
+    if not runtime:
+        return ["- time per token: not measured here; compress with --timing to measure the original and the "
+                "result side by side on this machine"]
+    if runtime.get("skipped"):
+        return [f"- time per token: not measured ({runtime['skipped']})"]
+    rows = "; ".join(f"n={row['tokens']}: {row['original_ms']:.3g} -> {row['collaborative_ms']:.3g} ms "
+                     f"({row['ratio']:.2f}x)" for row in runtime["lengths"])
+    return [f"- time per token, measured here ({runtime['measure']}; CPU, {runtime['threads']} threads, median of "
+            f"{runtime['repeats']}): {rows}"]
+
+
 def summary_lines(result: "CompressResult") -> list[str]:
     error = (f"- score energy lost (weighted by the queries that read the keys): {result.mean_relative_error:.4f}"
              if _rotary(result) else f"- mean relative error of the head products: {result.mean_relative_error:.4f}")
-    return [rank_sentence(result), "", *cost_lines(result), *fidelity_lines(result), error]
+    return [rank_sentence(result), "", *cost_lines(result), *runtime_lines(result), *fidelity_lines(result), error]
 
 
 def _share(part: int, whole: int) -> str:
