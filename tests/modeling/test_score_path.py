@@ -100,3 +100,19 @@ def test_eager_and_sdpa_give_the_same_collaborative_model(tiny_bert, tmp_path, t
         with torch.no_grad():
             outputs[implementation] = model(**token_batch).last_hidden_state
     assert torch.allclose(outputs["eager"], outputs["sdpa"], atol=1e-5)
+
+
+def test_blocked_inference_runs_in_and_out_of_inference_mode(tiny_bert, tmp_path, token_batch):
+    # The blocks' scratch memory is kept between calls; a tensor made under inference_mode cannot be written
+    # outside it, so a model first run under inference_mode must still run under no_grad (and back).
+    from transformers import AutoModel
+
+    compress(str(tiny_bert), CompressOptions(rank=16, output=tmp_path / "out"))
+    model = AutoModel.from_pretrained(tmp_path / "out", attn_implementation="sdpa").eval()
+    with torch.inference_mode():
+        first = model(**token_batch).last_hidden_state.clone()
+    with torch.no_grad():
+        second = model(**token_batch).last_hidden_state
+    with torch.inference_mode():
+        third = model(**token_batch).last_hidden_state
+    assert torch.equal(first, second) and torch.equal(first, third)
