@@ -134,9 +134,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 interleaved runs (5 decode steps), 512-token prompt")
     parser.add_argument("--parts", default="encoder,onnx,decoder", help="which comparisons to run, comma-separated")
     parser.add_argument("--loaded", action="store_true", help="a second job runs beside the measurement")
+    parser.add_argument("--block-numbers", type=int, default=None,
+                        help="numbers per block of CPU inference (modeling/attention.py BLOCK_NUMBERS), to compare")
     parser.add_argument("--prompt-length", type=int, default=None, help="decoder prompt (default 2048; 512 quick)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
+    if args.block_numbers:
+        from collab_convert.modeling import attention
+
+        attention.BLOCK_NUMBERS = args.block_numbers
+        print(f"Blocks of {args.block_numbers:,} numbers.")
     prompt_length = args.prompt_length or (512 if args.quick else 2048)
     with tempfile.TemporaryDirectory() as scratch, busy_neighbour(args.loaded):
         if args.loaded:
