@@ -36,7 +36,31 @@ def query_in_shared_basis(query: torch.Tensor, query_core: torch.Tensor, pass_co
 def rotate_shared_key(key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       slot_frequencies: torch.Tensor) -> torch.Tensor:
     """RoPE on the shared key (…, n, 2W + P): complex slot s turns at its own frequency j(s)."""
-    width = slot_frequencies.shape[0]
-    cos, sin = cos[..., slot_frequencies], sin[..., slot_frequencies]
-    real, imaginary, rest = key[..., :width], key[..., width:2 * width], key[..., 2 * width:]
-    return torch.cat((real * cos - imaginary * sin, imaginary * cos + real * sin, rest), dim=-1)
+    return rotate_slots(key, cos[..., slot_frequencies], sin[..., slot_frequencies])
+
+
+def rotate_slots(x: torch.Tensor, slot_cos: torch.Tensor, slot_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on (…, n, 2W + P) shared-basis coordinates, with cos/sin already taken at each slot's frequency."""
+    width = slot_cos.shape[-1]
+    real, imaginary, rest = x[..., :width], x[..., width:2 * width], x[..., 2 * width:]
+    return torch.cat((real * slot_cos - imaginary * slot_sin, imaginary * slot_cos + real * slot_sin, rest), dim=-1)
+
+
+def query_basis_matrix(query_core: torch.Tensor, pass_core: torch.Tensor, slot_frequencies: torch.Tensor,
+                       rotary_dim: int, head_dim: int) -> torch.Tensor:
+    """query_in_shared_basis as one real matrix per head, (N_h, d, 2W + P), to apply BEFORE RoPE.
+
+    A complex scalar per frequency commutes with the rotation, so core-then-rotate (in the shared basis, as the
+    key is rotated) equals rotate-then-core: one batched product and the key's rotation replace the query's
+    own RoPE and the per-slot gathers."""
+    heads, _, width = query_core.shape
+    half, slots = rotary_dim // 2, torch.arange(width, device=query_core.device)
+    real, imaginary = query_core[:, 0], query_core[:, 1]
+    matrix = query_core.new_zeros(heads, head_dim, 2 * width + pass_core.shape[-1])
+    matrix[:, slot_frequencies, slots] = real  # Re(q c) = q_re c_re - q_im c_im
+    matrix[:, half + slot_frequencies, slots] = -imaginary
+    matrix[:, slot_frequencies, width + slots] = imaginary  # Im(q c) = q_re c_im + q_im c_re
+    matrix[:, half + slot_frequencies, width + slots] = real
+    if pass_core.shape[-1]:
+        matrix[:, rotary_dim:, 2 * width:] = pass_core
+    return matrix

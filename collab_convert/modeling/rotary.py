@@ -8,7 +8,9 @@ query_pre_attn_scalar), logit soft-capping, the model's masks (sliding windows i
 (cos/sin from transformers' own rope code, so linear, dynamic, yarn, llama3 and longrope scaling carry over).
 
 Scores: all heads' shared-basis queries against the cached shared key in one matrix product, the key read
-once for every head; values stay grouped as in the original.
+once for every head; values stay grouped as in the original. Each head's query enters the shared basis through
+one kept matrix before RoPE and is rotated there with the key's tables (query_basis_matrix): fewer small
+operations per decode step than rotating it per head and applying its core slot by slot.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..decompose.rotary_ops import query_in_shared_basis, rotate_half_dims, rotate_shared_key
+from ..decompose.rotary_ops import query_basis_matrix, rotate_slots
 from ..format import HeadCounts
 
 
@@ -31,6 +33,26 @@ class RotarySharedKeyMixin:
             self._slot_frequencies[device] = cached
         return cached
 
+    def query_basis(self) -> torch.Tensor:
+        """(N_h, d, 2W + P): each head's query into the shared basis. Kept between inference calls while the
+        cores are unchanged (a decode step is many small operations; this saves a dozen per layer)."""
+        cores = [core for core in (self.query_core, getattr(self, "pass_core", None)) if core is not None]
+        if torch.is_grad_enabled() and any(core.requires_grad for core in cores):
+            return self._query_basis_matrix()
+        stamp = tuple((core.data_ptr(), core._version, core.device, core.dtype) for core in cores)
+        cached = self.__dict__.get("_query_basis")
+        if cached is None or cached[0] != stamp:
+            with torch.inference_mode(False), torch.no_grad():  # a plain tensor: usable in and out of inference mode
+                cached = self.__dict__["_query_basis"] = (stamp, self._query_basis_matrix())
+        return cached[1]
+
+    def _query_basis_matrix(self) -> torch.Tensor:
+        pass_core = getattr(self, "pass_core", None)
+        if pass_core is None:
+            pass_core = self.query_core.new_zeros(self.rotary_heads.num_heads, 0, 0)
+        return query_basis_matrix(self.query_core, pass_core, self.slot_frequencies(self.query_core.device),
+                                  self.rotary_dim, self.rotary_dim + pass_core.shape[1])
+
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
         cache = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None) or kwargs.pop("layer_past", None)
         layout, heads = self.rotary_layout, self.rotary_heads
@@ -40,14 +62,12 @@ class RotarySharedKeyMixin:
         key = layout.shared_key(self, hidden_states, heads.kv_heads).unsqueeze(1)  # (b, 1, n, 2W + P)
         cos, sin = (table.unsqueeze(1) for table in position_embeddings)
         slots = self.slot_frequencies(hidden_states.device)
-        query = rotate_half_dims(query, cos, sin, self.rotary_dim)
-        key = rotate_shared_key(key, cos, sin, slots)
+        slot_cos, slot_sin = cos[..., slots], sin[..., slots]
+        # each head's query into the shared basis first, then rotated there like the key (query_basis_matrix)
+        query = rotate_slots(torch.matmul(query, self.query_basis()), slot_cos, slot_sin)
+        key = rotate_slots(key, slot_cos, slot_sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-        pass_core = getattr(self, "pass_core", None)
-        if pass_core is None:
-            pass_core = query.new_zeros(heads.num_heads, 0, 0)
-        query = query_in_shared_basis(query, self.query_core, pass_core, slots, self.rotary_dim)
         output, weights = shared_key_attention(self, query, key, value, attention_mask)
         output = output.reshape(batch, length, -1).contiguous()
         return layout.output_projection(self)(output), weights

@@ -107,3 +107,29 @@ def test_calibration_refines_the_shared_key_against_the_original_attention(tmp_p
         assert {"kl_before", "kl_after", "steps"} <= set(layer.refinement)
         assert layer.logit_error is not None
     assert load_model(tmp_path / "out") is not None
+
+
+def test_the_kept_query_basis_follows_a_changed_core(tmp_path):
+    # Inference keeps each layer's query-basis matrix between calls; a core changed in place (fine-tuning,
+    # a reloaded state dict) must be seen by the next forward, under no_grad and inference_mode alike.
+    from collab_convert.decompose.rotary_ops import query_basis_matrix
+
+    case = next(c for c in ROTARY_CASES if c.name == "llama")
+    build_rotary(case, tmp_path / "in")
+    compress(str(tmp_path / "in"), CompressOptions(key_cache=0.5, output=tmp_path / "out"))
+    model = load_model(tmp_path / "out").eval()
+    ids = prompt()
+    before = logits(model, ids)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "query_core"):
+                module.query_core.mul_(-1.5)
+    with torch.inference_mode():
+        after = model(ids).logits
+    assert not torch.allclose(before, after, atol=1e-3)
+    module = next(m for m in model.modules() if hasattr(m, "query_core"))
+    core = module.query_core.detach()
+    no_pass = core.new_zeros(core.shape[0], 0, 0)  # full rotary: no pass-through dimensions
+    expected = query_basis_matrix(core, no_pass, module.slot_frequencies(core.device), module.rotary_dim,
+                                  module.rotary_dim)
+    assert torch.equal(module.query_basis(), expected)

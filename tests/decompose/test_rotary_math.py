@@ -111,3 +111,22 @@ def test_refinement_never_worsens_the_held_out_attention():
                                 steps=60)
     assert refined.kl_after <= refined.kl_before
     assert refined.factors.key_mixing.shape == factors.key_mixing.shape
+
+
+@pytest.mark.parametrize("rotary_dim, pass_rank", [(8, 0), (4, 3)], ids=["full-rotary", "partial-rotary"])
+def test_query_into_the_shared_basis_before_rope_equals_after(rotary_dim, pass_rank):
+    # The model applies each head's core as one matrix and then rotates in the shared basis, like the key;
+    # a complex scalar per frequency commutes with RoPE, so this equals rotating the query and then the core.
+    from collab_convert.decompose.rotary_ops import query_basis_matrix, query_in_shared_basis, rotate_slots
+
+    g = torch.Generator().manual_seed(3)
+    heads, head_dim, length = 3, 8, 6
+    slots = torch.tensor([0, 0, 1, rotary_dim // 2 - 1])  # a frequency may hold several slots, or none
+    core = torch.randn(heads, 2, len(slots), generator=g, dtype=torch.float64)
+    pass_core = torch.randn(heads, head_dim - rotary_dim, pass_rank, generator=g, dtype=torch.float64)
+    query = torch.randn(2, heads, length, head_dim, generator=g, dtype=torch.float64)
+    cos, sin = rope_tables(length, rotary_dim)
+    after = query_in_shared_basis(rotate_half_dims(query, cos, sin, rotary_dim), core, pass_core, slots, rotary_dim)
+    matrix = query_basis_matrix(core, pass_core, slots, rotary_dim, head_dim)
+    before = rotate_slots(query @ matrix, cos[..., slots], sin[..., slots])
+    assert torch.allclose(before, after, atol=1e-12)
