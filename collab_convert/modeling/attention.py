@@ -165,10 +165,7 @@ def _blocked_inference(module, shared_query, packed_key, value, attention_mask, 
     key_t = packed_key.transpose(1, 2)  # (B, R + N_h, m): a transposed operand, no copy
     rows = max(1, BLOCK_NUMBERS // (heads * (width + m)))
     sequences, rows = (max(1, rows // n), n) if rows >= n else (1, rows)
-    # Heads-major output and values, so whole-sequence blocks write their values in place (one copy at the end,
-    # as SDPA makes, instead of one per block: under load every parallel operation waits for its slower thread).
-    value = value.contiguous()
-    output = value.new_empty(batch, heads, n, value.shape[-1])
+    output = value.new_empty(batch, n, heads, value.shape[-1])
     queries = scores = None
     for first in range(0, batch, sequences):
         seqs = slice(first, min(batch, first + sequences))
@@ -188,11 +185,8 @@ def _blocked_inference(module, shared_query, packed_key, value, attention_mask, 
             weights = torch.softmax(scores, dim=-1, out=scores)
             if dropout and module.training:
                 weights = nn.functional.dropout(weights, p=dropout, training=True)
-            if length == n:
-                torch.matmul(weights, value[seqs], out=output[seqs])
-            else:
-                output[seqs, :, span] = torch.matmul(weights, value[seqs])
-    return output.transpose(1, 2).contiguous()
+            output[seqs, span] = torch.matmul(weights, value[seqs]).transpose(1, 2)
+    return output
 
 
 _WORKSPACES = threading.local()
