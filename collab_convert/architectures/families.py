@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UnsupportedModelError
-from ..modeling.forwards import gpt2_forward, gpt_bigcode_forward, mpnet_forward, opt_forward
+from ..modeling.forwards import bart_forward, gpt2_forward, gpt_bigcode_forward, mpnet_forward, opt_forward
 from ..format import HeadCounts
 from .layouts import FusedProjection, Layout, SeparateProjections
 from .rotary import RotaryProjections
@@ -177,6 +177,7 @@ FAMILIES: tuple[Family, ...] = (
             Site(r"(^|\.)decoder\.layers\.\d+\.encoder_attn$", "decoder_attention_heads", cross=True),
         ),
         layout=SeparateProjections("q_proj", "k_proj"),
+        forward=bart_forward,  # so the caches hold exactly the packed shared key (no head-size chunks)
     ),
     Family(
         # No 1/sqrt(d_k) scaling (the module's scaling is 1) and a relative position bias: both stay as they are.

@@ -1,6 +1,7 @@
-"""Forwards for families whose attention scores inline or names its head count in views, so the packed
-shared key needs a forward of our own. Each mirrors the transformers 5 original with collaborative queries and
-keys; the family entry in architectures/families.py points at it."""
+"""Forwards of our own: for families whose attention scores inline or names its head count in views, and for
+decoders, whose caches then hold the packed shared key as one unpadded pseudo-head (exactly R + N_h numbers
+per token; the module's own forward would view it in head-size chunks). Each mirrors the transformers 5
+original with collaborative queries and keys; the family entry in architectures/families.py points at it."""
 
 from __future__ import annotations
 
@@ -81,6 +82,38 @@ def gpt2_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs)
     output, weights = _attend(self, queries, keys, values, cache, attention_mask, self.attn_dropout.p, kwargs)
     output = self.c_proj(output.reshape(*input_shape, -1).contiguous())
     return self.resid_dropout(output), weights
+
+
+def bart_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):
+    """BartAttention.forward (transformers 5; mBART's, Marian's and Pegasus' are copies of it) with
+    collaborative queries and keys. Self-attention caches exactly the packed shared key; encoder-decoder
+    attention caches the encoder's packed key once, as the original caches its keys."""
+    from transformers.cache_utils import EncoderDecoderCache
+
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
+    cross = key_value_states is not None
+    input_shape = hidden_states.shape[:-1]
+    current = key_value_states if cross else hidden_states
+    queries = nn.functional.linear(hidden_states, self.shared_query.weight).unsqueeze(1)
+    layer_cache, reuse = cache, False
+    if isinstance(cache, EncoderDecoderCache):
+        reuse = cross and bool(cache.is_updated.get(self.layer_idx))
+        layer_cache = cache.cross_attention_cache if cross else cache.self_attention_cache
+    if reuse:
+        keys, values = layer_cache.layers[self.layer_idx].keys, layer_cache.layers[self.layer_idx].values
+    else:
+        keys = self._packed_key(current).unsqueeze(1)
+        values = self.v_proj(current).view(*current.shape[:-1], -1, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            keys, values = layer_cache.update(keys, values, self.layer_idx, kwargs=kwargs)
+            if cross and isinstance(cache, EncoderDecoderCache):
+                cache.is_updated[self.layer_idx] = True
+    output, weights = collaborative_attention(
+        self, queries, keys, values, attention_mask,
+        dropout=self.dropout if self.training else 0.0, scaling=self.scaling, **kwargs,
+    )
+    return self.out_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
 
 def _attend(self, queries, keys, values, cache, attention_mask, dropout: float, kwargs):

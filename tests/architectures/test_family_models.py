@@ -83,6 +83,21 @@ def test_decoder_cache_holds_exactly_the_shared_key(name, tmp_path):
     assert keys.shape[-1] < case.heads * case.head_dim
 
 
+def test_encoder_decoder_caches_hold_exactly_the_shared_keys(tmp_path):
+    # BART's decoder: self-attention caches its packed shared key token by token, encoder-decoder attention
+    # the encoder's once; both R + N_h numbers per token (two decoder heads here), nothing padded.
+    case = next(c for c in CASES if c.name == "bart")
+    build_family(case, tmp_path / "model")
+    rank = 12
+    compress(str(tmp_path / "model"), CompressOptions(rank=rank, output=tmp_path / "out"))
+    model = case.auto_class().from_pretrained(tmp_path / "out").eval()
+    source, target = torch.randint(3, 60, (1, 9)), torch.randint(3, 60, (1, 5))
+    with torch.no_grad():
+        cache = model(input_ids=source, decoder_input_ids=target, use_cache=True).past_key_values
+    assert cache.self_attention_cache.layers[0].keys.shape == (1, 1, 5, rank + 2)
+    assert cache.cross_attention_cache.layers[0].keys.shape == (1, 1, 9, rank + 2)
+
+
 def test_multi_query_layout_is_recorded(tmp_path):
     # GPTBigCode (multi-query): four query heads read one key/value head, T[i] = W_Q^(i)^T W_K. The checkpoint
     # records both head counts so the loader rebuilds the module with one value head.
