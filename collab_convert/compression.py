@@ -130,7 +130,11 @@ def _timed(source: SourceModel, folder: Path, progress: Progress) -> dict:
     if reason:
         return {"skipped": reason}
     progress("timing inference", 0, 1)
-    timed = time_per_token(source.folder, folder, is_language_model(source.config.get("architectures")))
+    try:
+        timed = time_per_token(source.folder, folder, is_language_model(source.config.get("architectures")))
+    except Exception as error:  # noqa: BLE001 - a measurement that cannot run must not cost the user the checkpoint
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]
+        timed = {"skipped": f"timing failed: {first_line}"}
     progress("timing inference", 1, 1)
     return timed
 

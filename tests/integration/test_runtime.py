@@ -51,3 +51,18 @@ def test_encoder_decoders_say_why_they_are_not_timed(tmp_path):
                                                                 plots=False))
     assert "encoder-decoder" in result.runtime["skipped"]
     assert "time per token: not measured (encoder-decoder" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_a_timing_that_cannot_run_is_reported_and_the_checkpoint_still_written(tmp_path, monkeypatch):
+    from collab_convert.integration import runtime
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("this model needs inputs the timer does not make")
+
+    monkeypatch.setattr(runtime, "time_per_token", broken)
+    build_family(case("bert"), tmp_path / "model")
+    result = compress(str(tmp_path / "model"), CompressOptions(rank=8, output=tmp_path / "out", timing=True,
+                                                                plots=False))
+    assert result.runtime == {"skipped": "timing failed: this model needs inputs the timer does not make"}
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert "time per token: not measured (timing failed" in (tmp_path / "out" / "report.md").read_text()
