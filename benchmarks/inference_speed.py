@@ -16,34 +16,20 @@ hits every model alike. Ratios are compressed / original: below 1 is faster. CPU
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import collab_convert  # noqa: E402,F401 - registers the loader with transformers
 from collab_convert import CompressOptions, compress  # noqa: E402
+from collab_convert.integration.runtime import interleaved  # noqa: E402
 from collab_convert.io.folders import DEFAULT_MODEL, resolve_model  # noqa: E402
 from neighbour import busy_neighbour  # noqa: E402
-
-
-def interleaved(calls: dict, repeats: int) -> dict[str, float]:
-    times = {name: [] for name in calls}
-    for call in calls.values():
-        call()  # warm-up
-    for _ in range(repeats):
-        for name, call in calls.items():
-            started = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 @torch.inference_mode()

@@ -46,7 +46,7 @@ def time_per_token(original: Path, compressed: Path, language_model: bool, lengt
                                    generator=torch.Generator().manual_seed(length))
             calls = {name: _decode_step(model, tokens) if language_model else _forward(model, tokens)
                      for name, model in models.items()}
-            seconds = _interleaved(calls, repeats)
+            seconds = interleaved(calls, repeats)
             per_token = {name: value / (1 if language_model else length) for name, value in seconds.items()}
             rows.append({"tokens": length, "original_ms": round(per_token["original"] * 1000, 4),
                          "collaborative_ms": round(per_token["collaborative"] * 1000, 4),
@@ -74,7 +74,8 @@ def _decode_step(model, tokens: torch.Tensor):
     return step
 
 
-def _interleaved(calls: dict, repeats: int) -> dict[str, float]:
+def interleaved(calls: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each call, run A B A B ... after one warm-up each (benchmarks/ time the same way)."""
     times: dict[str, list[float]] = {name: [] for name in calls}
     for call in calls.values():
         call()  # warm-up: first-call allocations and kernel choices are not what a user's steady state sees
