@@ -252,11 +252,12 @@ class FusedProjection:
         setattr(module, FUSED_VALUE, value)
 
     def members(self) -> dict[str, property]:
-        return {self.name: property(lambda self: self.collaborative_fused)}
+        # Fused families run forwards of our own (modeling/forwards.py), which read the shared query, the packed
+        # key and FUSED_VALUE directly: nothing stands in for the fused projection.
+        return {}
 
     def finish(self, module: nn.Module, heads: HeadCounts) -> None:
-        # The module splits the fused output with self.split_size: [shared query | packed shared key | values].
-        module.split_size = [module._query_width, module._key_width, heads.kv_heads * module.collaborative_head_dim]
+        pass
 
     def hook_points(self, module: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
         return [(getattr(module, self.name), ("query", "key"))]

@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from ..format import FUSED_VALUE, ROTARY_FORM, HeadCounts
+from ..format import ROTARY_FORM, HeadCounts
 from .attention import CollaborativeConfigView, register_attention_function
 
 
@@ -62,20 +62,6 @@ class CollaborativeMixin:
             return nn.functional.linear(hidden_states, torch.cat([self.shared_key.weight, self.content_bias]))
         return torch.cat([nn.functional.linear(hidden_states, self.shared_key.weight),
                           nn.functional.linear(hidden_states, self.content_bias)], dim=-1)
-
-    def collaborative_fused(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Stands in for a fused query/key/value projection: [shared query | packed shared key | values].
-
-        The module splits the result with self.split_size, which make_collaborative set to the three widths.
-        """
-        return torch.cat(
-            [
-                self.collaborative_query(hidden_states),
-                self.collaborative_key(hidden_states),
-                getattr(self, FUSED_VALUE)(hidden_states),
-            ],
-            dim=-1,
-        )
 
     @property
     def _query_width(self) -> int:

@@ -46,18 +46,10 @@ def opt_forward(self, hidden_states, cache=None, attention_mask=None, output_att
 def gpt_bigcode_forward(self, hidden_states, layer_past=None, attention_mask=None, **kwargs):
     """GPTBigCodeAttention.forward (transformers 5, multi-query self-attention), whose c_attn split names
     its widths, with collaborative queries and keys. Values keep their single shared head."""
-    if layer_past is None:
-        layer_past = kwargs.pop("past_key_values", None) or kwargs.pop("cache", None)
-    for unused in ("encoder_hidden_states", "encoder_attention_mask", "use_cache", "output_attentions"):
-        kwargs.pop(unused, None)
+    layer_past = _self_attention_cache(layer_past, kwargs, "past_key_values", "cache")
     input_shape = hidden_states.shape[:-1]
     queries, keys = self.shared_heads(hidden_states)
     values = getattr(self, FUSED_VALUE)(hidden_states).unsqueeze(1)  # (B, 1, n, d): one value head
-    if layer_past is not None:
-        from transformers.cache_utils import EncoderDecoderCache
-
-        if isinstance(layer_past, EncoderDecoderCache):
-            layer_past = layer_past.self_attention_cache
     output, weights = _attend(self, queries, keys, values, layer_past, attention_mask, self.attn_dropout, kwargs)
     output = self.c_proj(output.reshape(*input_shape, -1).contiguous())
     return self.resid_dropout(output), weights
@@ -66,15 +58,7 @@ def gpt_bigcode_forward(self, hidden_states, layer_past=None, attention_mask=Non
 def gpt2_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
     """GPT2Attention.forward (transformers 5, self-attention: the family refuses cross-attention and the upcast
     path), with collaborative queries and keys, so its cache stores exactly the packed shared key."""
-    if cache is None:
-        cache = kwargs.pop("past_key_values", None) or kwargs.pop("layer_past", None)
-    for unused in ("encoder_hidden_states", "encoder_attention_mask", "use_cache", "output_attentions"):
-        kwargs.pop(unused, None)
-    if cache is not None:
-        from transformers.cache_utils import EncoderDecoderCache
-
-        if isinstance(cache, EncoderDecoderCache):
-            cache = cache.self_attention_cache
+    cache = _self_attention_cache(cache, kwargs, "past_key_values", "layer_past")
     input_shape = hidden_states.shape[:-1]
     queries, keys = self.shared_heads(hidden_states)
     values = getattr(self, FUSED_VALUE)(hidden_states)
@@ -114,6 +98,22 @@ def bart_forward(self, hidden_states, key_value_states=None, cache=None, attenti
         dropout=self.dropout if self.training else 0.0, scaling=self.scaling, **kwargs,
     )
     return self.out_proj(output.reshape(*input_shape, -1).contiguous()), weights
+
+
+def _self_attention_cache(cache, kwargs: dict, *other_names: str):
+    """The cache a self-attention-only family's forward uses: the one passed, else one under the original's
+    other argument names; the self-attention part of an EncoderDecoderCache. Arguments the original forward
+    takes but a self-attention-only family does not use leave `kwargs`, so they do not reach the attention
+    function."""
+    for name in other_names:
+        found = kwargs.pop(name, None)
+        if cache is None:
+            cache = found
+    for unused in ("encoder_hidden_states", "encoder_attention_mask", "use_cache", "output_attentions"):
+        kwargs.pop(unused, None)
+    from transformers.cache_utils import EncoderDecoderCache
+
+    return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
 
 
 def _attend(self, queries, keys, values, cache, attention_mask, dropout: float, kwargs):
