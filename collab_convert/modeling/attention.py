@@ -97,6 +97,12 @@ def collaborative_attention(module, query, key, value, attention_mask, **kwargs)
     return _per_head_attention(module, query, key, value, attention_mask, **kwargs)
 
 
+def is_tracing() -> bool:
+    """Whether an exporter (torch.onnx, torch.export, torch.compile, TorchScript) is tracing: it wants one plain
+    graph, so inference shortcuts that keep state between calls or loop over blocks step aside."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
 def _implementation(module) -> str:
     config = module.config._base if isinstance(module.config, CollaborativeConfigView) else module.config
     return getattr(config, "_attn_implementation", None) or "eager"
@@ -120,8 +126,7 @@ def shared_key_attention(module, query, key, value, attention_mask, scaling=None
         value = value.repeat_interleave(heads // value.shape[1], dim=1)
     position_bias = kwargs.get("position_bias")
     training = torch.is_grad_enabled() and (query.requires_grad or module.mixing.requires_grad)
-    tracing = torch.compiler.is_compiling() or torch.jit.is_tracing()  # exporters (ONNX) want one plain graph
-    if not keep_weights and not training and not tracing and query.device.type == "cpu":
+    if not keep_weights and not training and not is_tracing() and query.device.type == "cpu":
         return _blocked_inference(module, shared_query, packed_key, value, attention_mask, position_bias, scaling,
                                   dropout, kwargs.get("is_causal")), None
     queries = shared_query.unsqueeze(1) * (module.mixing * scaling).to(query.dtype)[None, :, None, :]

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..decompose.rotary_ops import query_basis_matrix, rotate_slots
 from ..format import HeadCounts
+from .attention import is_tracing
 
 
 class RotarySharedKeyMixin:
@@ -37,8 +38,7 @@ class RotarySharedKeyMixin:
         """(N_h, d, 2W + P): each head's query into the shared basis. Kept between inference calls while the
         cores are unchanged (a decode step is many small operations; this saves a dozen per layer)."""
         cores = [core for core in (self.query_core, getattr(self, "pass_core", None)) if core is not None]
-        tracing = torch.compiler.is_compiling() or torch.jit.is_tracing()  # an exporter wants the plain graph
-        if tracing or (torch.is_grad_enabled() and any(core.requires_grad for core in cores)):
+        if is_tracing() or (torch.is_grad_enabled() and any(core.requires_grad for core in cores)):
             return self._query_basis_matrix()
         stamp = tuple((core.data_ptr(), core._version, core.device, core.dtype) for core in cores)
         cached = self.__dict__.get("_query_basis")
