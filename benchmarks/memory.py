@@ -26,13 +26,13 @@ from pathlib import Path
 
 MEASURE = r"""
 import json, sys, threading, time
-import collab_convert, torch, matplotlib.pyplot  # imports are the baseline, not the work
+import collab_convert, torch  # imports are the baseline, not the work
 from collab_convert.progress import stage_of
 from pathlib import Path
 
 settings = json.loads(sys.argv[5])
 # Warm-up on a one-layer model of the same shape: lazily loaded library code (LAPACK, the safetensors
-# reader, matplotlib's renderer) and allocator arenas are paid once per process, whatever the model size.
+# reader) and allocator arenas are paid once per process, whatever the model size.
 collab_convert.compress(sys.argv[4], collab_convert.CompressOptions(
     rank=int(sys.argv[3]), output=Path(sys.argv[2] + "-warmup"), max_shard_size="100MB", **settings))
 

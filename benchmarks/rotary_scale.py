@@ -29,7 +29,7 @@ SHAPES = {
 
 MEASURE = r"""
 import json, sys, threading, time
-import collab_convert, torch, transformers, matplotlib.pyplot  # imports are the baseline, not the work
+import collab_convert, torch, transformers  # imports are the baseline, not the work
 from collab_convert import CompressOptions, compress
 from pathlib import Path
 

@@ -35,7 +35,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
-        # Warm-up: imports (torch kernels, matplotlib, safetensors) are not what we measure.
+        # Warm-up: imports (torch kernels, safetensors) are not what we measure.
         timed_compress(args.model, scratch / "warm", rank=args.rank, max_iterations=1)
 
         ours = sorted(

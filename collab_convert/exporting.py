@@ -17,7 +17,7 @@ from .options import ExportOptions
 from .progress import Progress, no_progress
 from .results import ExportResult
 
-COMPRESS_PLOTS = frozenset({"spectra.png", "errors.png"})
+COMPRESS_PLOTS = frozenset({"spectra.svg", "errors.svg"})
 
 
 def export(model: str, options: ExportOptions, progress: Progress = no_progress) -> ExportResult:

@@ -93,8 +93,8 @@ class CompressOptions(_ModelInputs):
     timing: bool = Field(False, description="Measure time per token of the original and the result on this machine "
                          "(encoders: a forward pass; language models: a decode step) at 128 and 512 tokens, for the "
                          "report and model card. Loads both models whole.")
-    plots: bool = Field(True, description="Draw spectra.png and errors.png beside the reports (--no-plots skips "
-                        "them: matplotlib is a third of a small model's compress time).",
+    plots: bool = Field(True, description="Draw spectra.svg and errors.svg beside the reports (--no-plots skips "
+                        "them).",
                         json_schema_extra={"flags": ["--plots/--no-plots"]})
     threads: int | None = Field(
         None, ge=1, description="CPU threads for the math (default: the cores idle when the run starts, so a busy "
@@ -140,7 +140,14 @@ class AnalyzeOptions(_ModelInputs):
         description="Comma-separated candidate ranks to cost, e.g. 64,128,192.",
         json_schema_extra={"cli_type": str},
     )
-    plot: Path | None = Field(None, description="Also draw the spectra into this PNG file.")
+    plot: Path | None = Field(None, description="Also draw the spectra into this SVG file (opens in any browser).")
+
+    @field_validator("plot")
+    @classmethod
+    def _plot(cls, value):
+        if value is not None and value.suffix.lower() != ".svg":
+            raise ValueError(f"plots are SVG: name the file with .svg, not '{value.name}'")
+        return value
 
     @field_validator("ranks", mode="before")
     @classmethod

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from xml.etree import ElementTree
 
 import pytest
 from typer.testing import CliRunner
@@ -119,18 +120,29 @@ def test_dry_run_still_refuses_bad_ranks(tiny_bert, tmp_path, capsys):
 
 
 def test_analyze_draws_spectra(tiny_bert, tmp_path):
-    plot = tmp_path / "spectra.png"
+    plot = tmp_path / "spectra.svg"
     result = runner.invoke(app, ["analyze", str(tiny_bert), "--plot", str(plot), "--json"])
     assert result.exit_code == 0, result.output
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = ElementTree.fromstring(plot.read_text())  # well-formed XML
+    lines = [e for e in svg.iter("{http://www.w3.org/2000/svg}polyline")]
+    assert len(lines) == 2 * 2  # one line per layer, on the query side and on the key side
     json.loads(result.stdout)  # the plot does not disturb the JSON on stdout
+
+
+def test_analyze_refuses_a_plot_that_is_not_svg(tiny_bert, tmp_path, capsys):
+    assert main(["analyze", str(tiny_bert), "--plot", str(tmp_path / "spectra.png")]) != 0
+    error = capsys.readouterr().err
+    assert "plots are SVG" in error and "Traceback" not in error
 
 
 def test_compress_writes_plots(tiny_bert, tmp_path):
     result = runner.invoke(app, ["compress", str(tiny_bert), "--rank", "24", "-o", str(tmp_path / "o"), "-q"])
     assert result.exit_code == 0, result.output
-    for name in ("spectra.png", "errors.png"):
-        assert (tmp_path / "o" / name).read_bytes()[:4] == b"\x89PNG"
+    spectra = ElementTree.parse(tmp_path / "o" / "spectra.svg").getroot()
+    assert "chosen rank 24" in "".join(spectra.itertext())
+    errors = ElementTree.parse(tmp_path / "o" / "errors.svg").getroot()
+    bars = [e for e in errors.iter("{http://www.w3.org/2000/svg}rect") if e.get("fill") not in ("white", "none")]
+    assert len(bars) >= 2  # one bar per layer at least
 
 
 def test_device_cpu_is_the_same_code_path_and_missing_cuda_is_a_clear_error(tiny_bert, tmp_path, capsys):

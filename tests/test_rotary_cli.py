@@ -85,4 +85,4 @@ def test_no_plots_skips_the_pictures_and_keeps_the_reports(tiny_llama, tmp_path,
     assert code == 0
     files = {p.name for p in (tmp_path / "out").iterdir()}
     assert {"report.md", "report.json", "README.md", "model.safetensors"} <= files
-    assert not {"spectra.png", "errors.png"} & files
+    assert not {"spectra.svg", "errors.svg"} & files

@@ -158,34 +158,52 @@ def _als(core: HeadProducts, start: CollaborativeFactors, history: list[float], 
     (the part that scales with rank and width); one code path for all.
     """
     als = _FactoredALS(core, ALS_DTYPE, device)
-    q, k, m = (t.to(device=device, dtype=ALS_DTYPE) for t in (start.shared_query, start.shared_key, start.mixing))
     error = history[-1]
+    state = als.start(*(t.to(device=device, dtype=ALS_DTYPE) for t in (start.shared_query, start.shared_key, start.mixing)),
+                      error)
     power = 3.0  # extrapolation step iteration^(1/power), grown more timid after each failed jump
     iterations = 0
     for iterations in range(1, max_iterations + 1):
-        q_prev, k_prev = q, k
-        q, k, m, new_error = als.sweep(q, k, m)
+        previous = state
+        state = als.sweep(state)
         # Bro's line search: CP-ALS crawls through long swamps; a jump along the last step often lands far
         # ahead. The jump is kept only if it lowers the error, so the fit stays monotone.
         if iterations > 1:
-            step = iterations ** (1.0 / power)
-            q_jump = q + (step - 1.0) * (q - q_prev)
-            k_jump = k + (step - 1.0) * (k - k_prev)
-            m_jump, jump_error = als.best_mixing(q_jump, k_jump)
-            if jump_error < new_error:
-                q, k, m, new_error = q_jump, k_jump, m_jump, jump_error
+            jump = als.extrapolate(previous, state, iterations ** (1.0 / power))
+            if jump.error < state.error:
+                state = jump
             else:
                 power += 1.0
-        history.append(new_error)
-        improvement = error - new_error
-        error = new_error
+        history.append(state.error)
+        improvement = error - state.error
+        error = state.error
         if improvement < tolerance * error or error < EXACT:
             break
-    return CollaborativeFactors(*(t.to(device="cpu", dtype=COMPUTE_DTYPE) for t in (q, k, m))), iterations
+    factors = (state.query, state.key, state.mixing)
+    return CollaborativeFactors(*(t.to(device="cpu", dtype=COMPUTE_DTYPE) for t in factors)), iterations
+
+
+@dataclass
+class _ALSState:
+    """Factors with the products every update reuses: the heads projected onto them and their Gram matrices."""
+
+    query: torch.Tensor  # (r_q, R)
+    key: torch.Tensor  # (r_k, R)
+    mixing: torch.Tensor  # (H, R)
+    query_projected: torch.Tensor  # (H, d_k, R): Q_i q
+    key_projected: torch.Tensor  # (H, d_k, R): K_i k
+    query_gram: torch.Tensor  # q^T q
+    key_gram: torch.Tensor  # k^T k
+    error: float
 
 
 class _FactoredALS:
-    """CP-ALS steps on a factored core; each contraction is one GEMM over the stacked heads."""
+    """CP-ALS steps on a factored core; each contraction is one GEMM over the stacked heads.
+
+    A sweep costs four head GEMMs (two MTTKRPs, two projections) and four small solves. The line search's jump
+    costs no head GEMM: projections are linear in the factors, so the jumped projections are the same
+    extrapolation of the last two.
+    """
 
     def __init__(self, core: HeadProducts, dtype: torch.dtype, device: str | torch.device = "cpu"):
         self.norm = core.squared_norm()
@@ -194,24 +212,40 @@ class _FactoredALS:
         self.query_cat = core.query_heads.reshape(-1, core.query_heads.shape[2]).T  # (r_q, N_h d_k)
         self.key_cat = core.key_heads.reshape(-1, core.key_heads.shape[2]).T
 
-    def sweep(self, q, k, m):
+    def start(self, q, k, m, error: float) -> _ALSState:
+        return _ALSState(q, k, m, self.core.query_heads @ q, self.core.key_heads @ k, q.T @ q, k.T @ k, error)
+
+    def sweep(self, state: _ALSState) -> _ALSState:
         """One pass of exact least-squares updates: query factor, key factor, then mixing."""
+        m = state.mixing
+        mixing_gram = m.T @ m
         # MTTKRP: sum_i Q_i^T (K_i k diag(m_i)) = [Q_1^T .. Q_N^T] @ stacked (K_i k diag(m_i)).
-        kproj = self.core.key_heads @ k  # (H, d_k, R)
-        q = _solve((k.T @ k) * (m.T @ m), self.query_cat @ (kproj * m[:, None, :]).reshape(-1, k.shape[1]))
-        qproj = self.core.query_heads @ q
-        k = _solve((q.T @ q) * (m.T @ m), self.key_cat @ (qproj * m[:, None, :]).reshape(-1, q.shape[1]))
-        m, error = self._mixing_and_error(q, k, qproj)
-        return q, k, m, error
+        rank = m.shape[1]
+        q = _solve(state.key_gram * mixing_gram, self.query_cat @ (state.key_projected * m[:, None, :]).reshape(-1, rank))
+        qproj, query_gram = self.core.query_heads @ q, q.T @ q
+        k = _solve(query_gram * mixing_gram, self.key_cat @ (qproj * m[:, None, :]).reshape(-1, rank))
+        kproj, key_gram = self.core.key_heads @ k, k.T @ k
+        new = _ALSState(q, k, m, qproj, kproj, query_gram, key_gram, math.nan)
+        new.error = self._mix(new)
+        return new
 
-    def best_mixing(self, q, k):
-        return self._mixing_and_error(q, k, self.core.query_heads @ q)
+    def extrapolate(self, previous: _ALSState, current: _ALSState, step: float) -> _ALSState:
+        """The state at current + (step - 1) (current - previous), with its best mixing."""
+        def ahead(name: str) -> torch.Tensor:
+            now = getattr(current, name)
+            return now + (step - 1.0) * (now - getattr(previous, name))
 
-    def _mixing_and_error(self, q, k, qproj):
-        kproj = self.core.key_heads @ k
-        rhs = (qproj * kproj).sum(1)  # (H, R): diag(q^T T_i k)
-        gram = (q.T @ q) * (k.T @ k)
-        m = _solve(gram, rhs)
+        q, k = ahead("query"), ahead("key")
+        jump = _ALSState(q, k, current.mixing, ahead("query_projected"), ahead("key_projected"), q.T @ q, k.T @ k,
+                         math.nan)
+        jump.error = self._mix(jump)
+        return jump
+
+    def _mix(self, state: _ALSState) -> float:
+        """Sets the least-squares mixing for the state's factors; returns the relative error."""
+        rhs = (state.query_projected * state.key_projected).sum(1)  # (H, R): diag(q^T T_i k)
+        gram = state.query_gram * state.key_gram
+        m = state.mixing = _solve(gram, rhs)
         # ||T||^2 - 2<T, CP> + ||CP||^2 from quantities already at hand.
         err2 = self.norm - 2.0 * float((rhs * m).sum()) + float(((m.T @ m) * gram).sum())
-        return m, math.sqrt(max(err2, 0.0) / self.norm)
+        return math.sqrt(max(err2, 0.0) / self.norm)

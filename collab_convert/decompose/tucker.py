@@ -20,22 +20,39 @@ class TuckerSubspaces:
     key_singular_values: torch.Tensor
 
 
-def tucker_subspaces(products: HeadProducts, rtol: float = 1e-10) -> TuckerSubspaces:
+def tucker_subspaces(products: HeadProducts, rtol: float = 1e-6) -> TuckerSubspaces:
     """HOSVD of T restricted to its numerical support.
 
     Every CP-ALS update of the query factor lies in the column space of the query unfolding (likewise for
     keys), so ALS on the core projected onto these bases is the same iteration as ALS on T itself, at the
-    cost of r instead of D_in.
+    cost of r instead of D_in. Directions below `rtol` of the largest singular value (under 1e-12 of the
+    energy) are left out.
     """
-
-    def basis(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        u, s, _ = torch.linalg.svd(matrix, full_matrices=False)
-        keep = int((s > rtol * s[0]).sum()) if s.numel() and s[0] > 0 else 0
-        return u[:, : max(keep, 1)], s
-
-    uq, sq = basis(query_side_matrix(products))
-    uk, sk = basis(key_side_matrix(products))
+    uq, sq = _left_singular(query_side_matrix(products), rtol)
+    uk, sk = _left_singular(key_side_matrix(products), rtol)
     return TuckerSubspaces(uq, uk, sq, sk)
+
+
+def _left_singular(matrix: torch.Tensor, rtol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leading left singular vectors (those above rtol * s_max) and all singular values of a tall or wide matrix.
+
+    By a symmetric eigendecomposition of the smaller Gram matrix: half the time of an SVD that returns vectors.
+    Squaring limits the resolution to ~1e-7 of s_max, so values below `rtol` (>= 1e-6) read as zero.
+    """
+    rows, cols = matrix.shape
+    gram = matrix @ matrix.T if rows <= cols else matrix.T @ matrix
+    energy, vectors = torch.linalg.eigh(gram)  # ascending
+    energy, vectors = energy.flip(0), vectors.flip(1)
+    singular = energy.clamp_min(0).sqrt()
+    if not singular.numel() or singular[0] <= 0:
+        return torch.eye(rows, 1, dtype=matrix.dtype), matrix.new_zeros(min(rows, cols))
+    keep = max(int((singular > rtol * singular[0]).sum()), 1)
+    singular = torch.where(singular > rtol * singular[0], singular, torch.zeros_like(singular))
+    if rows <= cols:
+        left = vectors[:, :keep]
+    else:  # U = M V / s for the kept directions
+        left = (matrix @ vectors[:, :keep]) / singular[:keep]
+    return left, singular[: min(rows, cols)]
 
 
 def project(products: HeadProducts, subspaces: TuckerSubspaces) -> HeadProducts:
