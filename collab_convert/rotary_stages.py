@@ -44,7 +44,7 @@ from .io.tensors import parse_size
 from .options import CompressOptions
 from .progress import DETAIL, Progress
 from .results import LayerReport, rounded
-from .stages import layer_labels, stream_weights
+from .stages import fit_workers, layer_labels, stream_weights
 
 
 def geometry_of(layer: AttentionLayer) -> RotaryGeometry:
@@ -225,14 +225,16 @@ def convert_rotary_weights(source: SourceModel, options: CompressOptions, folder
 
     labels = layer_labels(source)
 
-    def fit(layer: AttentionLayer):
+    def fit(layer: AttentionLayer, progress: Progress):
         calibration = calibrations[layer.prefix] if calibrations else None
         stage = "refining" if calibration is not None and calibration.samples and options.refine_steps else "fitting"
         progress(f"{stage}{DETAIL}{labels[layer.prefix]}", source.layers.index(layer), len(source.layers))
         return _fit_layer(source, layer, ranks[layer.prefix], statistics[layer.prefix], normed, calibration,
                           options)
 
-    return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished)
+    refined = bool(calibrations and options.refine_steps)  # refinement holds calibration samples: one layer at a time
+    return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished,
+                          workers=0 if refined else fit_workers())
 
 
 def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, statistics: KeyStatistics,

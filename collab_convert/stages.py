@@ -24,7 +24,7 @@ from .io.folders import check_output
 from .io.spill import SpillFolder
 from .io.tensors import ShardWriter, TensorSpec, parse_size
 from .options import CompressOptions
-from .progress import DETAIL, Progress
+from .progress import DETAIL, Progress, no_progress
 from .results import CompressPlan, LayerReport, rounded
 
 
@@ -163,7 +163,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
     def specs(layer: AttentionLayer) -> list[TensorSpec]:
         return source.family.layout.output_specs(source.reader, layer, ranks[layer.prefix])
 
-    def fit(layer: AttentionLayer):
+    def fit(layer: AttentionLayer, progress: Progress):
         started = time.perf_counter()
         rank, metric = ranks[layer.prefix], metrics[layer.prefix] if metrics else None
         fitted = fits.pop(layer.prefix, None)
@@ -185,7 +185,13 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
         tensors.update(projections.kept)
         return _layer_report(layer, rank, layer_fit, refinement, time.perf_counter() - started), tensors
 
-    return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished)
+    return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished,
+                          workers=0 if steps else fit_workers())
+
+
+def fit_workers() -> int:
+    """Layers fitted side by side when fits are independent of each other: one per thread the math was given."""
+    return max(1, torch.get_num_threads())
 
 
 def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[str, int], metrics, progress: Progress,
@@ -264,6 +270,9 @@ class FinishedLayers:
         stem = layer.prefix.replace("/", "_")
         return self.folder / f"{stem}.safetensors", self.folder / f"{stem}.json"
 
+    def has(self, layer: AttentionLayer) -> bool:
+        return self.folder is not None and all(path.is_file() for path in self._paths(layer))
+
     def get(self, layer: AttentionLayer):
         if self.folder is None:
             return None
@@ -308,13 +317,21 @@ class FinishedLayers:
         report_path.write_text(json.dumps(report.to_dict()), encoding="utf-8")  # last: marks the layer done
 
 
+LayerFitter = Callable[[AttentionLayer, Progress], tuple[LayerReport, dict[str, torch.Tensor]]]
+
+
 def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progress: Progress,
-                   layer_specs: Callable[[AttentionLayer], list[TensorSpec]],
-                   fit: Callable[[AttentionLayer], tuple[LayerReport, dict[str, torch.Tensor]]],
-                   finished: FinishedLayers | None = None):
+                   layer_specs: Callable[[AttentionLayer], list[TensorSpec]], fit: LayerFitter,
+                   finished: FinishedLayers | None = None, workers: int = 0):
     """Stream every tensor to the output in input order; at each attention layer, fit it and write its new
-    tensors in place of the ones they replace. One layer and one tensor in memory at a time; every output
-    tensor's name, dtype and shape is known (layer_specs) before anything is computed."""
+    tensors in place of the ones they replace. Every output tensor's name, dtype and shape is known
+    (layer_specs) before anything is computed.
+
+    workers = 0 fits each layer where it streams past, with torch's threads. workers >= 1 fits up to that many
+    layers ahead of the writer in worker threads while the writer copies tensors through: reading, the math
+    and writing overlap, and memory holds at most `workers` layers in flight. There every torch operation runs
+    on one thread, so the output bytes do not depend on the number of workers (a product summed by two
+    threads rounds differently from one summed by one)."""
     by_anchor = {layer.anchor: layer for layer in source.layers}
     replaced = {name for layer in source.layers for name in layer.replaced}
     specs = []
@@ -326,30 +343,74 @@ def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progr
     writer = ShardWriter(folder, specs, max_shard_size)
     reader, reports = source.reader, []
     names = reader.names()
-    for index, name in enumerate(names):
-        reader.release_all_but(name)  # keep one input shard mapped at a time
-        if name in by_anchor:
-            layer = by_anchor[name]
-            done = finished.get(layer) if finished else None
-            report, tensors = done if done else fit(layer)
-            if finished and not done:
-                finished.put(layer, report, tensors)
-            reports.append(report)
-            progress("writing", index, len(names))
-            for new_name, tensor in tensors.items():
-                writer.add(new_name, tensor)
-        elif index % 16 == 0:
-            progress("writing", index, len(names))
-        if name not in replaced:
-            location = reader.byte_range(name)
-            if location is None:
-                writer.add(name, reader.get(name))
-            else:
-                writer.copy_bytes(reader.spec(name), location)
+    labels = layer_labels(source)
+    ahead = _FitsAhead(fit, workers, [by_anchor[name] for name in names if name in by_anchor], finished)
+    try:
+        for index, name in enumerate(names):
+            reader.release_all_but(name)  # keep one input shard mapped at a time
+            if name in by_anchor:
+                layer = by_anchor[name]
+                done = finished.get(layer) if finished else None
+                report, tensors = done if done else ahead.result(layer, progress, labels[layer.prefix])
+                if finished and not done:
+                    finished.put(layer, report, tensors)
+                reports.append(report)
+                progress("writing", index, len(names))
+                for new_name, tensor in tensors.items():
+                    writer.add(new_name, tensor)
+            elif index % 16 == 0:
+                progress("writing", index, len(names))
+            if name not in replaced:
+                location = reader.byte_range(name)
+                if location is None:
+                    writer.add(name, reader.get(name))
+                else:
+                    writer.copy_bytes(reader.spec(name), location)
+    finally:
+        ahead.close()
     progress("writing", len(names), len(names))
     files = writer.finish()
     progress("writing", len(names), len(names))
     return reports, files
+
+
+class _FitsAhead:
+    """Layer fits submitted in write order to a few worker threads, at most `workers` of them ahead."""
+
+    def __init__(self, fit: LayerFitter, workers: int, layers: list[AttentionLayer], finished: FinishedLayers | None):
+        self.fit, self.workers = fit, workers
+        self.waiting = [layer for layer in layers if not (finished and finished.has(layer))] if workers else []
+        self.pending: dict[str, Any] = {}
+        self.pool = self.threads = None
+        if self.waiting:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            self.pool = ThreadPoolExecutor(workers, thread_name_prefix="collab-fit")
+            self._top_up()
+
+    def _top_up(self) -> None:
+        while self.waiting and len(self.pending) < self.workers:
+            layer = self.waiting.pop(0)
+            self.pending[layer.prefix] = self.pool.submit(self.fit, layer, no_progress)
+
+    def result(self, layer: AttentionLayer, progress: Progress, label: str):
+        future = self.pending.pop(layer.prefix, None)
+        if future is None:  # fitted where it streams past (no workers, or a saved layer that failed to load)
+            return self.fit(layer, progress)
+        if not future.done():  # the writer waits on the math: show it as fitting
+            progress(f"fitting{DETAIL}{label}", 0, 1)
+        result = future.result()
+        self._top_up()
+        return result
+
+    def close(self) -> None:
+        if self.pool is not None:
+            for future in self.pending.values():
+                future.cancel()
+            self.pool.shutdown(wait=True)
+            torch.set_num_threads(self.threads)
 
 
 def _refine(projections: Projections, layer: AttentionLayer, fit: LayerFit, bias, metric, steps: dict[str, int],

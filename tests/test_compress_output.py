@@ -134,3 +134,13 @@ def test_hub_id_resolves_from_the_local_cache_offline(tiny_bert, tmp_path, monke
     assert result.model == "acme/tiny-bert"
     card = (tmp_path / "out" / "README.md").read_text()
     assert "base_model: acme/tiny-bert" in card
+
+
+@pytest.mark.slow
+def test_output_bytes_do_not_depend_on_how_many_layers_are_fitted_side_by_side(minilm_path, tmp_path):
+    # Weight-only fits run in one worker per math thread, each torch operation on one thread: a product
+    # summed by two threads would round differently from one summed by one, and the bytes would follow.
+    compress(str(minilm_path), CompressOptions(rank=96, output=tmp_path / "one", threads=1, plots=False))
+    compress(str(minilm_path), CompressOptions(rank=96, output=tmp_path / "two", threads=2, plots=False))
+    one, two = (tmp_path / name / "model.safetensors" for name in ("one", "two"))
+    assert one.read_bytes() == two.read_bytes()

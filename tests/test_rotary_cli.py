@@ -86,3 +86,11 @@ def test_no_plots_skips_the_pictures_and_keeps_the_reports(tiny_llama, tmp_path,
     files = {p.name for p in (tmp_path / "out").iterdir()}
     assert {"report.md", "report.json", "README.md", "model.safetensors"} <= files
     assert not {"spectra.svg", "errors.svg"} & files
+
+
+def test_output_bytes_do_not_depend_on_the_number_of_threads(tiny_llama, tmp_path, capsys):
+    for threads in ("1", "2"):
+        code, _, err = run(capsys, "compress", str(tiny_llama), "--key-cache", "0.5", "-o", str(tmp_path / threads),
+                           "--threads", threads, "--no-plots", "-q")
+        assert code == 0, err
+    assert (tmp_path / "1" / "model.safetensors").read_bytes() == (tmp_path / "2" / "model.safetensors").read_bytes()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,12 @@ class TensorReader:
     """Name -> tensor, loaded on demand. Safetensors shards are opened lazily and memory-mapped.
 
     `rename` maps the file's keys to the names callers use (the loaded model's naming, see naming.py).
+    Thread-safe: layers are fitted ahead of the writer in worker threads (stages.stream_weights).
     """
 
     def __init__(self, folder: Path, rename=None):
         self.folder = folder
+        self._lock = threading.RLock()
         self._location: dict[str, Path] = {}
         self._key: dict[str, str] = {}  # name -> key in the file
         self._open: dict[Path, Any] = {}
@@ -69,6 +72,10 @@ class TensorReader:
         return list(self._load_bin(file).keys())
 
     def _handle(self, file: Path):
+        with self._lock:
+            return self._handle_unlocked(file)
+
+    def _handle_unlocked(self, file: Path):
         if file not in self._open:
             from safetensors import safe_open
 
@@ -81,6 +88,10 @@ class TensorReader:
         return self._open[file]
 
     def _load_bin(self, file: Path) -> dict[str, torch.Tensor]:
+        with self._lock:
+            return self._load_bin_unlocked(file)
+
+    def _load_bin_unlocked(self, file: Path) -> dict[str, torch.Tensor]:
         if file not in self._bin_cache:
             try:
                 # weights_only: a pickle can run code; this refuses anything but tensors and plain containers.
@@ -141,12 +152,14 @@ class TensorReader:
         """Unmap every safetensors shard except the one holding `name`: reading shard by shard, the pages
         of finished shards leave the process instead of piling up in its resident memory."""
         keep = self._location.get(name)
-        for file in [f for f in self._open if f != keep]:
-            del self._open[file]
+        with self._lock:
+            for file in [f for f in self._open if f != keep]:
+                del self._open[file]
 
     def close(self) -> None:
-        self._open.clear()
-        self._bin_cache.clear()
+        with self._lock:
+            self._open.clear()
+            self._bin_cache.clear()
 
 
 def _inside(folder: Path, name: str, named_by: Path) -> Path:
