@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UnsupportedModelError
-from ..modeling.forwards import bart_forward, gpt2_forward, gpt_bigcode_forward, mpnet_forward, opt_forward
+from ..modeling.forwards import bart_forward, gpt2_forward, gpt_bigcode_forward, mpnet_forward, opt_forward, t5_forward
 from ..format import HeadCounts
 from .layouts import FusedProjection, Layout, SeparateProjections
 from .rotary import RotaryProjections
@@ -190,6 +190,7 @@ FAMILIES: tuple[Family, ...] = (
         ),
         layout=SeparateProjections("q", "k"),
         position_bias=_t5_position_bias,
+        forward=t5_forward,  # so the caches hold exactly the packed shared key (no head-size chunks)
     ),
 )
 

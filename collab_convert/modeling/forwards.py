@@ -72,32 +72,69 @@ def bart_forward(self, hidden_states, key_value_states=None, cache=None, attenti
     """BartAttention.forward (transformers 5; mBART's, Marian's and Pegasus' are copies of it) with
     collaborative queries and keys. Self-attention caches exactly the packed shared key; encoder-decoder
     attention caches the encoder's packed key once, as the original caches its keys."""
-    from transformers.cache_utils import EncoderDecoderCache
-
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
-    cross = key_value_states is not None
     input_shape = hidden_states.shape[:-1]
-    current = key_value_states if cross else hidden_states
     queries = nn.functional.linear(hidden_states, self.shared_query.weight).unsqueeze(1)
-    layer_cache, reuse = cache, False
-    if isinstance(cache, EncoderDecoderCache):
-        reuse = cross and bool(cache.is_updated.get(self.layer_idx))
-        layer_cache = cache.cross_attention_cache if cross else cache.self_attention_cache
-    if reuse:
-        keys, values = layer_cache.layers[self.layer_idx].keys, layer_cache.layers[self.layer_idx].values
-    else:
-        keys = self._packed_key(current).unsqueeze(1)
-        values = self.v_proj(current).view(*current.shape[:-1], -1, self.head_dim).transpose(1, 2)
-        if cache is not None:
-            keys, values = layer_cache.update(keys, values, self.layer_idx, kwargs=kwargs)
-            if cross and isinstance(cache, EncoderDecoderCache):
-                cache.is_updated[self.layer_idx] = True
+    keys, values = _encoder_decoder_keys(self, hidden_states, key_value_states, cache, self.v_proj, self.head_dim,
+                                         kwargs)
     output, weights = collaborative_attention(
         self, queries, keys, values, attention_mask,
         dropout=self.dropout if self.training else 0.0, scaling=self.scaling, **kwargs,
     )
     return self.out_proj(output.reshape(*input_shape, -1).contiguous()), weights
+
+
+def t5_forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, cache=None, **kwargs):
+    """T5Attention.forward (transformers 5) with collaborative queries and keys: the relative position bias and
+    the unscaled scores stay as they are; the caches hold exactly the packed shared key, as in bart_forward."""
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
+    input_shape = hidden_states.shape[:-1]
+    past_seen_tokens = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+    # cloned for StaticCache, whose length tensor the update below changes in place (as the original does)
+    past_seen_tokens = past_seen_tokens.clone() if isinstance(past_seen_tokens, torch.Tensor) else past_seen_tokens
+    queries = nn.functional.linear(hidden_states, self.shared_query.weight).unsqueeze(1)
+    keys, values = _encoder_decoder_keys(self, hidden_states, key_value_states, cache, self.v,
+                                         self.key_value_proj_dim, kwargs)
+    if position_bias is None:
+        key_length = keys.shape[-2]
+        if not self.has_relative_attention_bias:
+            position_bias = torch.zeros((1, self.n_heads, input_shape[1], key_length), device=queries.device,
+                                        dtype=queries.dtype)
+            if self.gradient_checkpointing and self.training:
+                position_bias.requires_grad = True
+        else:
+            position_bias = self.compute_bias(input_shape[1], key_length, device=queries.device,
+                                              past_seen_tokens=past_seen_tokens)
+    output, weights = collaborative_attention(
+        self, queries, keys, values, mask,
+        dropout=self.dropout if self.training else 0.0, scaling=self.scaling, position_bias=position_bias, **kwargs,
+    )
+    return self.o(output.reshape(*input_shape, -1).contiguous()), position_bias, weights
+
+
+def _encoder_decoder_keys(self, hidden_states, key_value_states, cache, value_projection, head_dim: int, kwargs):
+    """(packed shared keys, values) of self-attention or, with key_value_states, encoder-decoder attention,
+    through an encoder-decoder cache as the originals use it: self-attention appends token by token, and
+    encoder-decoder attention computes the encoder's once and reuses it at every later step."""
+    from transformers.cache_utils import EncoderDecoderCache
+
+    cross = key_value_states is not None
+    current = key_value_states if cross else hidden_states
+    layer_cache, reuse = cache, False
+    if isinstance(cache, EncoderDecoderCache):
+        reuse = cross and bool(cache.is_updated.get(self.layer_idx))
+        layer_cache = cache.cross_attention_cache if cross else cache.self_attention_cache
+    if reuse:
+        return layer_cache.layers[self.layer_idx].keys, layer_cache.layers[self.layer_idx].values
+    keys = self._packed_key(current).unsqueeze(1)
+    values = value_projection(current).view(*current.shape[:-1], -1, head_dim).transpose(1, 2)
+    if cache is not None:
+        keys, values = layer_cache.update(keys, values, self.layer_idx, kwargs=kwargs)
+        if cross and isinstance(cache, EncoderDecoderCache):
+            cache.is_updated[self.layer_idx] = True
+    return keys, values
 
 
 def _self_attention_cache(cache, kwargs: dict, *other_names: str):

@@ -83,19 +83,23 @@ def test_decoder_cache_holds_exactly_the_shared_key(name, tmp_path):
     assert keys.shape[-1] < case.heads * case.head_dim
 
 
-def test_encoder_decoder_caches_hold_exactly_the_shared_keys(tmp_path):
-    # BART's decoder: self-attention caches its packed shared key token by token, encoder-decoder attention
-    # the encoder's once; both R + N_h numbers per token (two decoder heads here), nothing padded.
-    case = next(c for c in CASES if c.name == "bart")
+@pytest.mark.parametrize("name", ["bart", "t5"])
+def test_encoder_decoder_caches_hold_exactly_the_shared_keys(name, tmp_path):
+    # The decoder's self-attention caches its packed shared key token by token, encoder-decoder attention
+    # the encoder's once; both R + N_h numbers per token, nothing padded to whole heads (R + N_h = 13 + N_h
+    # is no multiple of the head size here).
+    case = next(c for c in CASES if c.name == name)
     build_family(case, tmp_path / "model")
-    rank = 12
+    rank = 13
     compress(str(tmp_path / "model"), CompressOptions(rank=rank, output=tmp_path / "out"))
     model = case.auto_class().from_pretrained(tmp_path / "out").eval()
+    heads = getattr(model.config, "decoder_attention_heads", None) or model.config.num_heads
+    assert (rank + heads) % case.head_dim
     source, target = torch.randint(3, 60, (1, 9)), torch.randint(3, 60, (1, 5))
     with torch.no_grad():
         cache = model(input_ids=source, decoder_input_ids=target, use_cache=True).past_key_values
-    assert cache.self_attention_cache.layers[0].keys.shape == (1, 1, 5, rank + 2)
-    assert cache.cross_attention_cache.layers[0].keys.shape == (1, 1, 9, rank + 2)
+    assert cache.self_attention_cache.layers[0].keys.shape == (1, 1, 5, rank + heads)
+    assert cache.cross_attention_cache.layers[0].keys.shape == (1, 1, 9, rank + heads)
 
 
 def test_multi_query_layout_is_recorded(tmp_path):
