@@ -382,11 +382,14 @@ class _FitsAhead:
         self.waiting = [layer for layer in layers if not (finished and finished.has(layer))] if workers else []
         self.pending: dict[str, Any] = {}
         self.pool = self.threads = None
+        if workers:
+            # one thread per operation for every fit of this run, the ones fitted in place included (a saved
+            # layer that fails to load on --resume): the bytes must not depend on where a layer was fitted
+            self.threads = torch.get_num_threads()
+            torch.set_num_threads(1)
         if self.waiting:
             from concurrent.futures import ThreadPoolExecutor
 
-            self.threads = torch.get_num_threads()
-            torch.set_num_threads(1)
             self.pool = ThreadPoolExecutor(workers, thread_name_prefix="collab-fit")
             self._top_up()
 
@@ -410,6 +413,7 @@ class _FitsAhead:
             for future in self.pending.values():
                 future.cancel()
             self.pool.shutdown(wait=True)
+        if self.threads is not None:
             torch.set_num_threads(self.threads)
 
 
