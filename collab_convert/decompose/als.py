@@ -225,10 +225,7 @@ class _FactoredALS:
         q = _solve(state.key_gram * mixing_gram, self.query_cat @ (state.key_projected * m[:, None, :]).reshape(-1, rank))
         qproj, query_gram = self.core.query_heads @ q, q.T @ q
         k = _solve(query_gram * mixing_gram, self.key_cat @ (qproj * m[:, None, :]).reshape(-1, rank))
-        kproj, key_gram = self.core.key_heads @ k, k.T @ k
-        new = _ALSState(q, k, m, qproj, kproj, query_gram, key_gram, math.nan)
-        new.error = self._mix(new)
-        return new
+        return self._mixed(q, k, qproj, self.core.key_heads @ k, query_gram, k.T @ k)
 
     def extrapolate(self, previous: _ALSState, current: _ALSState, step: float) -> _ALSState:
         """The state at current + (step - 1) (current - previous), with its best mixing."""
@@ -237,16 +234,13 @@ class _FactoredALS:
             return now + (step - 1.0) * (now - getattr(previous, name))
 
         q, k = ahead("query"), ahead("key")
-        jump = _ALSState(q, k, current.mixing, ahead("query_projected"), ahead("key_projected"), q.T @ q, k.T @ k,
-                         math.nan)
-        jump.error = self._mix(jump)
-        return jump
+        return self._mixed(q, k, ahead("query_projected"), ahead("key_projected"), q.T @ q, k.T @ k)
 
-    def _mix(self, state: _ALSState) -> float:
-        """Sets the least-squares mixing for the state's factors; returns the relative error."""
-        rhs = (state.query_projected * state.key_projected).sum(1)  # (H, R): diag(q^T T_i k)
-        gram = state.query_gram * state.key_gram
-        m = state.mixing = _solve(gram, rhs)
+    def _mixed(self, q, k, qproj, kproj, query_gram, key_gram) -> _ALSState:
+        """The state of these factors with their least-squares mixing, and its relative error."""
+        rhs = (qproj * kproj).sum(1)  # (H, R): diag(q^T T_i k)
+        gram = query_gram * key_gram
+        m = _solve(gram, rhs)
         # ||T||^2 - 2<T, CP> + ||CP||^2 from quantities already at hand.
         err2 = self.norm - 2.0 * float((rhs * m).sum()) + float(((m.T @ m) * gram).sum())
-        return math.sqrt(max(err2, 0.0) / self.norm)
+        return _ALSState(q, k, m, qproj, kproj, query_gram, key_gram, math.sqrt(max(err2, 0.0) / self.norm))

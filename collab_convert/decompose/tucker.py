@@ -46,8 +46,9 @@ def _left_singular(matrix: torch.Tensor, rtol: float) -> tuple[torch.Tensor, tor
     singular = energy.clamp_min(0).sqrt()
     if not singular.numel() or singular[0] <= 0:
         return torch.eye(rows, 1, dtype=matrix.dtype), matrix.new_zeros(min(rows, cols))
-    keep = max(int((singular > rtol * singular[0]).sum()), 1)
-    singular = torch.where(singular > rtol * singular[0], singular, torch.zeros_like(singular))
+    resolved = singular > rtol * singular[0]
+    keep = max(int(resolved.sum()), 1)
+    singular = torch.where(resolved, singular, torch.zeros_like(singular))
     if rows <= cols:
         left = vectors[:, :keep]
     else:  # U = M V / s for the kept directions

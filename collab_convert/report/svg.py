@@ -112,8 +112,9 @@ def _panel_svg(panel: Panel, left: float, top: float, width: float, height: floa
         out.append(f'<line x1="{sx(x):.1f}" x2="{sx(x):.1f}" y1="{top}" y2="{top + height}" stroke="{colour}" '
                    f'stroke-dasharray="{dash}"/>')
     # lines rise to the right (cumulative energy): their legend sits bottom right; bars leave the top free
-    return out + _legend(panel, left + width - 6, top + 6, below=True) if panel.bars else \
-        out + _legend(panel, left + width - 6, top + height - 6)
+    if panel.bars:
+        return out + _legend(panel, left + width - 6, top + 6, below=True)
+    return out + _legend(panel, left + width - 6, top + height - 6)
 
 
 def _legend(panel: Panel, right: float, edge: float, below: bool = False) -> list[str]:
