@@ -446,3 +446,55 @@ def _modules_of(model, prefixes) -> dict:
     if len(modules) != len(wanted):
         raise BadInputError("not every attention module of the model could be observed for calibration")
     return modules
+
+
+def sequential_rotary(folder: Path, family, layers: dict, texts: list[str], fit, max_length: int = 128,
+                      progress=None, keep_samples: int = 0, token_budget: int | None = None,
+                      scratch: Path | None = None, width: int | None = None) -> bool:
+    """Sequential calibration: each rotary layer observed on the inputs that the layers before it, already
+    compressed, produce, as the compressed model will see them. Block by block: block k's attention inputs are
+    observed on every batch (the block stops there), `fit(prefix, record)` fits the layer and returns a context
+    manager under which the original module answers as its compressed form (modeling/rotary.SharedKeyStandIn),
+    and block k runs under it to produce block k+1's inputs. Memory holds one block, one batch and one layer's
+    record, as in collect_rotary_statistics. Returns False, having run nothing, where the model is not one
+    stack of blocks (it then runs only whole)."""
+    from .layerwise import BlockRunner, plan_blocks
+
+    plan = plan_blocks(folder, list(layers)) if scratch is not None else None
+    if plan is None:
+        return False
+    import shutil
+
+    shutil.rmtree(scratch / "activations", ignore_errors=True)  # the first pass's block outputs: not needed now
+    batches = token_batches(_tokenizer(folder), texts, max_length, token_budget, batch_tokens(width))
+    current = _CurrentBatch()
+    current.observations = 1  # a block holds one attention layer: observed, the block's run can stop
+    observer = _RotaryObserver(family, layers, keep_samples, current)
+    blocks, device_map = plan
+    runner = BlockRunner(folder, blocks, device_map, scratch / "sequential")
+    for input_ids, attention_mask, _ in batches.batches:
+        runner.start({"input_ids": input_ids, "attention_mask": attention_mask})
+    steps = len(blocks) * len(batches.batches)
+    for index, (_, prefix) in enumerate(blocks):
+        label = f"fitting on the compressed layers' outputs{DETAIL}layer {index + 1}/{len(blocks)}"
+        module = _modules_of(runner.model, [prefix])[prefix]
+        handle = module.register_forward_pre_hook(observer.hook(prefix), with_kwargs=True)
+        try:
+            for batch, (_, _, lengths) in enumerate(batches.batches):
+                if progress:
+                    progress(label, index * len(batches.batches) + batch, steps)
+                current.lengths, current.observed = lengths, 0
+                try:
+                    runner.run_block(index, batch, keep_output=False)
+                except _SeenEverything:
+                    pass
+        finally:
+            handle.remove()
+        with fit(prefix, observer.finished(prefix), module):
+            if index + 1 < len(blocks):
+                for batch in range(len(batches.batches)):
+                    runner.run_block(index, batch, keep_output=True)
+    if progress:
+        progress(f"fitting on the compressed layers' outputs{DETAIL}layer {len(blocks)}/{len(blocks)}", steps, steps)
+    shutil.rmtree(scratch / "sequential", ignore_errors=True)
+    return True

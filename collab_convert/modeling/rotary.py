@@ -144,3 +144,43 @@ def make_rotary(module: nn.Module, family, entry: dict) -> nn.Module:
     module._is_hf_initialized = True
     module.__class__ = _rotary_class(type(module), family)
     return module
+
+
+class SharedKeyStandIn:
+    """An ORIGINAL rotary attention module answering as its shared-key form would, while the context lasts.
+
+    Sequential calibration (capture.py) runs block k with layer k already compressed to produce the inputs of
+    block k+1; the block's weights are the checkpoint's, loaded as it runs. So the stand-in computes the
+    module's own queries, keys (after any norm) and values, and takes them into the shared basis with the
+    fitted factors: the shared key is key_mixing times the key heads (what the checkpoint's shared_key weight
+    holds, folded), each head's query goes through its core, and the scores, masks and values follow
+    shared_key_attention as in the compressed model."""
+
+    def __init__(self, module: nn.Module, layout, heads: HeadCounts, key_mixing: torch.Tensor,
+                 query_core: torch.Tensor, pass_core: torch.Tensor, frequency_ranks, rotary_dim: int):
+        self.module, self.layout, self.heads = module, layout, heads
+        ranks = torch.tensor(list(frequency_ranks))
+        self.slots = torch.repeat_interleave(torch.arange(len(ranks)), ranks)
+        self.key_mixing = key_mixing.float()
+        head_dim = key_mixing.shape[1] // heads.kv_heads
+        self.query_basis = query_basis_matrix(query_core.float(), pass_core.float(), self.slots, rotary_dim,
+                                              head_dim)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
+        module, layout, heads = self.module, self.layout, self.heads
+        batch, length = hidden_states.shape[:2]
+        queries, keys = layout.original_queries_keys(module, hidden_states, heads)
+        values = layout.original_values(module, hidden_states, heads).transpose(1, 2)  # (b, G, n, d)
+        cos, sin = (table.unsqueeze(1) for table in position_embeddings)
+        slot_cos, slot_sin = cos[..., self.slots], sin[..., self.slots]
+        query = rotate_slots(torch.matmul(queries.transpose(1, 2), self.query_basis), slot_cos, slot_sin)
+        key = rotate_slots(nn.functional.linear(keys.flatten(-2), self.key_mixing).unsqueeze(1), slot_cos, slot_sin)
+        output, weights = shared_key_attention(module, query, key, values, attention_mask)
+        return layout.output_projection(module)(output.reshape(batch, length, -1)), weights
+
+    def __enter__(self) -> "SharedKeyStandIn":
+        self.module.forward = self.forward  # an instance attribute: nn.Module.__call__ finds it first
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.module.forward
