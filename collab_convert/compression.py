@@ -149,29 +149,22 @@ def _rotary(source: SourceModel, options: CompressOptions, texts: list[str] | No
         convert_rotary_weights,
         layer_width,
         model_weight_statistics,
-        sequential_fits,
-        sequential_possible,
         write_rotary_config,
     )
 
     width = layer_width(source, options)
-    calibration, calibrations, fitted = None, None, None
-    sequential = texts is not None and sequential_possible(source, options, scratch)
+    calibration, calibrations = None, None
     if texts is not None:
-        statistics, calibrations, calibration = calibrated_statistics(source, options, texts, progress, scratch,
-                                                                      sequential)
+        statistics, calibrations, calibration = calibrated_statistics(source, options, texts, progress, scratch)
     else:
         statistics = model_weight_statistics(source)
     ranks = allocate_ranks(source, statistics, width)
-    if sequential:
-        fitted = sequential_fits(source, options, texts, progress, scratch, ranks, calibrations)
     choice = {"mode": "key-cache budget", "numbers_per_token_and_layer": width,
               "share_of_key_cache": round(width / max(layer.full_rank for layer in source.layers), 4),
               "spread": "over layers and rotary frequencies, where the most score energy stays"}
 
     def convert(folder: Path, finished):
-        return convert_rotary_weights(source, options, folder, progress, ranks, statistics, calibrations, finished,
-                                      fitted)
+        return convert_rotary_weights(source, options, folder, progress, ranks, statistics, calibrations, finished)
 
     def write_record(reports, folder: Path, method: str) -> None:
         write_rotary_config(source, reports, folder, method)

@@ -72,13 +72,6 @@ class CompressOptions(_ModelInputs):
         "early when a held-out slice stops improving; 0: off).",
     )
     refine_samples: int = Field(256, ge=1, description="With --calibration: sequences the refinement looks at.")
-    # Rotary decoders: fit layer k on what layers 0..k-1, already compressed, hand it (a second, block-at-a-time
-    # pass over the calibration text), not on the original model's activations.
-    sequential: bool = Field(
-        True, description="Rotary decoders with --calibration: fit each layer on the outputs of the layers before "
-        "it, already compressed (--no-sequential: on the original's; one pass over the text instead of two).",
-        json_schema_extra={"flags": ["--sequential/--no-sequential"]},
-    )
     output: Path = Field(
         description="Folder to write the collaborative checkpoint to.",
         json_schema_extra={"flags": ["--output", "-o"]},

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,7 +19,6 @@ from .decompose.rotary import (
     KeyRanks,
     KeySpectrum,
     KeyStatistics,
-    RotaryFactors,
     RotaryGeometry,
     allocate,
     fit_shared_key,
@@ -169,37 +167,19 @@ def _normalised(tokens: torch.Tensor, scale: torch.Tensor | None, over_heads: bo
 ROTARY_REFINE_SAMPLES = 64  # raw sequences kept per layer for refinement (float16 queries and keys)
 
 
-def _calibrated_layers(source: SourceModel) -> dict:
-    return {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads))
-            for layer in source.layers}
-
-
-def _refine_samples(options: CompressOptions) -> int:
-    return min(options.refine_samples, ROTARY_REFINE_SAMPLES) if options.refine_steps else 0
-
-
-def sequential_possible(source: SourceModel, options: CompressOptions, scratch: Path | None) -> bool:
-    """Whether the calibrated fit runs sequentially: asked for, and the model runs a block at a time."""
-    if not options.sequential or scratch is None:
-        return False
-    from .integration.layerwise import plan_blocks
-
-    return plan_blocks(source.folder, [layer.prefix for layer in source.layers]) is not None
-
-
 def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: list[str], progress: Progress,
-                          scratch: Path | None = None, sequential: bool = False):
+                          scratch: Path | None = None):
     """(statistics per layer, calibrations per layer with refinement samples, what the report says). With a
-    `scratch` folder the model runs a block at a time and the calibrations wait there (capture.py). `sequential`:
-    these statistics only spread the budget (sequential_fits fits the layers), so no samples are kept."""
+    `scratch` folder the model runs a block at a time and the calibrations wait there (capture.py)."""
     from .integration.capture import collect_rotary_statistics
 
-    keep = 0 if sequential and not TEACHER_TARGETS else _refine_samples(options)
-    calibrations, batches = collect_rotary_statistics(source.folder, source.family, _calibrated_layers(source),
-                                                      texts, options.calibration_max_length, progress,
-                                                      keep_samples=keep, token_budget=options.calibration_tokens,
-                                                      scratch=scratch, width=source.width)
-    keep = _refine_samples(options)
+    layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads))
+              for layer in source.layers}
+    keep = min(options.refine_samples, ROTARY_REFINE_SAMPLES) if options.refine_steps else 0
+    calibrations, batches = collect_rotary_statistics(source.folder, source.family, layers, texts,
+                                                      options.calibration_max_length, progress, keep_samples=keep,
+                                                      token_budget=options.calibration_tokens, scratch=scratch,
+                                                      width=source.width)
     refinement = (f"up to {options.refine_steps} Adam steps per layer on the error of the attention output (through "
                   f"the output projection; causal attention KL reported), each on 8 of "
                   f"{min(keep, len(texts))} sequences and 32 query positions in each, stopped and chosen on a "
@@ -212,50 +192,8 @@ def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: 
         "objective": "score energy on the calibration tokens: key second moments per frequency, weighted by "
                      "the energy of the queries that read them",
         "refinement": refinement,
-        "sequential": "each layer fitted on the outputs of the layers before it, already compressed (a second "
-                      "pass, a block at a time); the budget spread on the original's statistics" if sequential
-                      else "off: every layer fitted on the original model's activations",
     }
     return {p: c.statistics for p, c in calibrations.items()}, calibrations, calibration
-
-
-@dataclass
-class SequentialFit:
-    factors: RotaryFactors
-    refinement: dict | None
-    seconds: float
-
-
-import os
-TEACHER_TARGETS = bool(os.environ.get("COLLAB_TEACHER_TARGETS"))  # EXPERIMENT
-
-
-def sequential_fits(source: SourceModel, options: CompressOptions, texts: list[str], progress: Progress,
-                    scratch: Path, ranks: dict[str, KeyRanks], calibrations=None) -> dict[str, SequentialFit]:
-    """Every layer fitted (and refined) in turn on the inputs the compressed layers before it produce
-    (capture.sequential_rotary), at the ranks the first pass's budget gave it."""
-    from .integration.capture import sequential_rotary
-    from .modeling.rotary import SharedKeyStandIn
-
-    by_prefix = {layer.prefix: layer for layer in source.layers}
-    fitted: dict[str, SequentialFit] = {}
-
-    def fit(prefix: str, calibration, module):
-        layer, started = by_prefix[prefix], time.perf_counter()
-        targets = calibrations[prefix].samples if TEACHER_TARGETS and calibrations is not None else None
-        factors, refinement = _fitted_factors(layer, ranks[prefix], calibration.statistics, calibration, options,
-                                              targets)
-        fitted[prefix] = SequentialFit(factors, refinement, time.perf_counter() - started)
-        return SharedKeyStandIn(module, source.family.layout, HeadCounts(layer.shape.num_heads, layer.kv_heads),
-                                factors.key_mixing, factors.query_core, factors.pass_core,
-                                factors.ranks.frequency_ranks, layer.rotary_dim)
-
-    ran = sequential_rotary(source.folder, source.family, _calibrated_layers(source), texts, fit,
-                            options.calibration_max_length, progress, keep_samples=_refine_samples(options),
-                            token_budget=options.calibration_tokens, scratch=scratch, width=source.width)
-    if not ran:
-        raise RuntimeError("sequential calibration needs a model that runs a block at a time")
-    return fitted
 
 
 # --- budget and fit ----------------------------------------------------------------------------------------------
@@ -277,7 +215,7 @@ def _shares(spectrum: KeySpectrum) -> KeySpectrum:
 
 def convert_rotary_weights(source: SourceModel, options: CompressOptions, folder: Path, progress: Progress,
                            ranks: dict[str, KeyRanks], statistics: dict[str, KeyStatistics], calibrations=None,
-                           finished=None, fitted: dict[str, SequentialFit] | None = None):
+                           finished=None):
     layout, normed = source.family.layout, key_norm(source)
 
     def specs(layer: AttentionLayer):
@@ -288,46 +226,33 @@ def convert_rotary_weights(source: SourceModel, options: CompressOptions, folder
     labels = layer_labels(source)
 
     def fit(layer: AttentionLayer, progress: Progress):
-        if fitted is not None:
-            progress(f"writing{DETAIL}{labels[layer.prefix]}", source.layers.index(layer), len(source.layers))
-            return _fit_layer(source, layer, ranks[layer.prefix], statistics[layer.prefix], normed,
-                              calibrations[layer.prefix], options, fitted[layer.prefix])
         calibration = calibrations[layer.prefix] if calibrations else None
         stage = "refining" if calibration is not None and calibration.samples and options.refine_steps else "fitting"
         progress(f"{stage}{DETAIL}{labels[layer.prefix]}", source.layers.index(layer), len(source.layers))
         return _fit_layer(source, layer, ranks[layer.prefix], statistics[layer.prefix], normed, calibration,
                           options)
 
-    # refinement holds calibration samples: one layer at a time (fits done sequentially are only written here)
-    refined = bool(calibrations and options.refine_steps) or fitted is not None
+    refined = bool(calibrations and options.refine_steps)  # refinement holds calibration samples: one layer at a time
     return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished,
                           workers=0 if refined else fit_workers())
 
 
-def _fitted_factors(layer: AttentionLayer, ranks: KeyRanks, statistics: KeyStatistics, calibration,
-                    options: CompressOptions, targets=None):
-    """(factors, refinement record or None): the weighted PCA, refined on the calibration samples if any."""
-    factors = fit_shared_key(statistics, geometry_of(layer), ranks)
-    if calibration is None or not calibration.samples or ranks == KeyRanks.full(geometry_of(layer)):
-        return factors, None
-    from .decompose.rotary_refinement import refine_shared_key
-
-    with reused_heap():  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
-        refined = refine_shared_key(calibration.samples, factors, geometry_of(layer), calibration.setting,
-                                    steps=options.refine_steps, seed=options.seed, targets=targets)
-    return refined.factors, {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
-                             "objective": refined.objective, "loss_before": refined.loss_before,
-                             "loss_after": refined.loss_after}
-
-
 def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, statistics: KeyStatistics,
-               normed: bool, calibration, options: CompressOptions, fitted: "SequentialFit | None" = None):
+               normed: bool, calibration, options: CompressOptions):
     started = time.perf_counter()
     weights = source.family.layout.read(source.reader, layer)
-    if fitted is None:
-        factors, refinement = _fitted_factors(layer, ranks, statistics, calibration, options)
-    else:  # fitted during sequential calibration: its seconds are counted there
-        factors, refinement, started = fitted.factors, fitted.refinement, started - fitted.seconds
+    factors = fit_shared_key(statistics, geometry_of(layer), ranks)
+    refinement = None
+    if calibration is not None and calibration.samples and ranks != KeyRanks.full(geometry_of(layer)):
+        from .decompose.rotary_refinement import refine_shared_key
+
+        with reused_heap():  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
+            refined = refine_shared_key(calibration.samples, factors, geometry_of(layer), calibration.setting,
+                                        steps=options.refine_steps, seed=options.seed)
+        factors = refined.factors
+        refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
+                      "objective": refined.objective, "loss_before": refined.loss_before,
+                      "loss_after": refined.loss_after}
     dtype, p = weights.query_weight.dtype, layer.prefix
     tensors: dict[str, torch.Tensor] = {}
     for suffix in ("weight", "bias"):

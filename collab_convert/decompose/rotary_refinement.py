@@ -50,13 +50,11 @@ class RotaryRefinement:
     loss_after: float = 0.0
 
 
-def _batch(samples: list[RotarySample], rows: int | None, generator, picks: list | None = None) -> tuple:
-    """Padded (B, rows, H, d) queries at sampled rows, (B, m, G, d) keys and values, row positions, valid masks
-    (the last item: the rows picked, to take the same rows of the targets)."""
+def _batch(samples: list[RotarySample], rows: int | None, generator) -> tuple:
+    """Padded (B, rows, H, d) queries at sampled rows, (B, m, G, d) keys and values, row positions, valid masks."""
     length = max(s.keys.shape[0] for s in samples)
-    picks = picks or [torch.arange(s.queries.shape[0]) if rows is None
-                      else torch.randperm(s.queries.shape[0], generator=generator)[:rows].sort().values
-                      for s in samples]
+    picks = [torch.arange(s.queries.shape[0]) if rows is None
+             else torch.randperm(s.queries.shape[0], generator=generator)[:rows].sort().values for s in samples]
     width = max(p.shape[0] for p in picks)
     queries = torch.zeros(len(samples), width, *samples[0].queries.shape[1:])
     keys = torch.zeros(len(samples), length, *samples[0].keys.shape[1:])
@@ -72,7 +70,7 @@ def _batch(samples: list[RotarySample], rows: int | None, generator, picks: list
         key_valid[i, : sample.keys.shape[0]] = True
         if values is not None:
             values[i, : sample.values.shape[0]] = sample.values.float()
-    return queries, keys, values, positions, row_valid, key_valid, picks
+    return queries, keys, values, positions, row_valid, key_valid
 
 
 class _Problem:
@@ -81,9 +79,8 @@ class _Problem:
     With values and the output projection, the loss is the error of the layer's attention output (through the
     output projection, so heads count as much as they reach the residual stream); else the attention KL."""
 
-    def __init__(self, batch, geometry: RotaryGeometry, setting: AttentionSetting, slots: torch.Tensor,
-                 target=None):
-        queries, keys, values, positions, row_valid, key_valid, _ = batch
+    def __init__(self, batch, geometry: RotaryGeometry, setting: AttentionSetting, slots: torch.Tensor):
+        queries, keys, values, positions, row_valid, key_valid = batch
         self.geometry, self.setting, self.slots = geometry, setting, slots
         length = keys.shape[1]
         cos, sin = setting.cos[:length], setting.sin[:length]
@@ -101,20 +98,10 @@ class _Problem:
         if values is not None and setting.output_weight is not None:
             self.values = values.transpose(1, 2)[:, geometry.group_of_head]  # (B, H, m, d)
         with torch.no_grad():
-            # the original layer's attention: on these inputs, or on the original model's own (`target`: the
-            # same sequences and rows as the original model saw them, for sequential calibration)
-            target_queries, target_keys = self.queries, grouped
-            if target is not None:
-                target_queries = rotate_half_dims(target[0].transpose(1, 2), row_cos, row_sin, geometry.rotary_dim)
-                target_keys = rotate_half_dims(target[1].transpose(1, 2), cos, sin, geometry.rotary_dim)
-                target_keys = target_keys[:, geometry.group_of_head]
-            self.target = self._log_softmax(target_queries @ target_keys.transpose(-1, -2))
+            self.target = self._log_softmax(self.queries @ grouped.transpose(-1, -2))
             self.target_p = self.target.exp()
             if self.values is not None:
-                target_values = self.values
-                if target is not None:
-                    target_values = target[2].transpose(1, 2)[:, geometry.group_of_head]
-                self.target_output = self._output(self.target_p, target_values)
+                self.target_output = self._output(self.target_p)
                 self.output_energy = float((self.target_output**2).sum(-1)[self.rows].sum())
 
     def _log_softmax(self, scores: torch.Tensor) -> torch.Tensor:
@@ -123,9 +110,8 @@ class _Problem:
             scores = torch.tanh(scores / self.setting.softcap) * self.setting.softcap
         return torch.log_softmax(scores.masked_fill(~self.allowed, float("-inf")), dim=-1)
 
-    def _output(self, probabilities: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
-        values = self.values if values is None else values
-        heads = (probabilities.nan_to_num(0.0) @ values).transpose(1, 2).flatten(2)  # (B, rows, H d)
+    def _output(self, probabilities: torch.Tensor) -> torch.Tensor:
+        heads = (probabilities.nan_to_num(0.0) @ self.values).transpose(1, 2).flatten(2)  # (B, rows, H d)
         return heads @ self.setting.output_weight.T
 
     def predicted(self, mixing: torch.Tensor, core: torch.Tensor, pass_core: torch.Tensor) -> torch.Tensor:
@@ -148,22 +134,12 @@ class _Problem:
 
 def refine_shared_key(samples: list[RotarySample], factors: RotaryFactors, geometry: RotaryGeometry,
                       setting: AttentionSetting, steps: int = 200, learning_rate: float = 6e-2,
-                      batch_sequences: int = 8, query_rows: int = 32, seed: int = 0,
-                      targets: list[RotarySample] | None = None) -> RotaryRefinement:
-    """Adam on the error of the attention output (or the attention KL) against the original layer (see the
-    module docstring). `targets`: the same sequences as the original model saw them at this layer, one per
-    sample: the original's attention is taken there, the shared form's on `samples`."""
+                      batch_sequences: int = 8, query_rows: int = 32, seed: int = 0) -> RotaryRefinement:
+    """Adam on the mean attention KL(original || shared) per head and query (see the module docstring)."""
     slots = slot_frequencies(factors.ranks)
-    pairs = list(zip(samples, targets or [None] * len(samples), strict=True))
-    held = max(len(pairs) // 10, 1) if len(pairs) >= 10 else 0
-    train, check = (pairs[:-held], pairs[-held:]) if held else (pairs, pairs)
-
-    def problem(chosen: list, rows: int | None, generator) -> _Problem:
-        batch = _batch([sample for sample, _ in chosen], rows, generator)
-        target = None if targets is None else _batch([t for _, t in chosen], rows, None, picks=batch[-1])[:3]
-        return _Problem(batch, geometry, setting, slots, target)
-
-    checks = [problem(check[i:i + 8], None, None) for i in range(0, len(check), 8)]
+    held = max(len(samples) // 10, 1) if len(samples) >= 10 else 0
+    train, check = (samples[:-held], samples[-held:]) if held else (samples, samples)
+    checks = [_Problem(_batch(check[i:i + 8], None, None), geometry, setting, slots) for i in range(0, len(check), 8)]
     check_rows = sum(int(p.valid.sum()) for p in checks)
     parameters = [t.float().clone().requires_grad_(True)
                   for t in (factors.key_mixing, factors.query_core, factors.pass_core)]
@@ -182,7 +158,8 @@ def refine_shared_key(samples: list[RotarySample], factors: RotaryFactors, geome
 
     def minibatch_loss() -> torch.Tensor:
         chosen = [train[i] for i in torch.randperm(len(train), generator=generator)[:batch_sequences]]
-        loss, norm = problem(chosen, query_rows, generator).loss(*parameters)
+        problem = _Problem(_batch(chosen, query_rows, generator), geometry, setting, slots)
+        loss, norm = problem.loss(*parameters)
         return loss / max(norm, 1e-30)
 
     best, initial, best_loss, taken = adam_with_held_out(parameters, minibatch_loss, held_out, steps, learning_rate)

@@ -109,32 +109,6 @@ def test_calibration_refines_the_shared_key_against_the_original_attention(tmp_p
     assert load_model(tmp_path / "out") is not None
 
 
-def test_sequential_calibration_fits_later_layers_on_what_the_compressed_layers_produce(tmp_path):
-    # The first layer sees the embeddings either way, so it is fitted identically; the second sees the output of
-    # a compressed first layer only when sequential, so it is fitted differently.
-    from safetensors.torch import load_file
-
-    from fixtures.models import save_tiny_tokenizer
-
-    build_rotary(next(c for c in ROTARY_CASES if c.name == "qwen2"), tmp_path / "in")
-    save_tiny_tokenizer(tmp_path / "in")
-    texts = tmp_path / "texts.txt"
-    texts.write_text("\n".join(f"the {w} was on the {v} and it is {w}" for w in "abcdefgh" for v in "ijkl") + "\n")
-    written = {}
-    for sequential in (False, True):
-        out = tmp_path / f"out-{sequential}"
-        result = compress(str(tmp_path / "in"), CompressOptions(
-            key_cache=0.5, output=out, calibration=texts, calibration_samples=24, refine_steps=20,
-            sequential=sequential))
-        assert result.calibration["sequential"].startswith("each layer" if sequential else "off")
-        assert all(layer.refinement["loss_after"] <= layer.refinement["loss_before"] for layer in result.layers)
-        written[sequential] = load_file(out / "model.safetensors")
-        assert load_model(out) is not None
-    first, second = "model.layers.0.self_attn.query_core", "model.layers.1.self_attn.query_core"
-    assert torch.equal(written[True][first], written[False][first])
-    assert not torch.equal(written[True][second], written[False][second])
-
-
 def test_the_kept_query_basis_follows_a_changed_core(tmp_path):
     # Inference keeps each layer's query-basis matrix between calls; a core changed in place (fine-tuning,
     # a reloaded state dict) must be seen by the next forward, under no_grad and inference_mode alike.
