@@ -269,13 +269,23 @@ def _by_block(folder: Path, plan, batches: CalibrationBatches, current: _Current
     label, steps = f"calibrating{DETAIL}{batches.tokens} tokens", len(blocks) * len(batches.batches)
     for index, (_, prefix) in enumerate(blocks):
         handles, finished = observe(runner.model, prefix)
+        last = index + 1 == len(blocks)
+        current.observations = None
         try:
             for batch, (_, _, lengths) in enumerate(batches.batches):
                 if progress:
                     progress(f"{label}, layer {index + 1}/{len(blocks)}", index * len(batches.batches) + batch, steps)
                 current.lengths, current.observed = lengths, 0
-                runner.run_block(index, batch, keep_output=index + 1 < len(blocks))
+                try:
+                    runner.run_block(index, batch, keep_output=not last)
+                except _SeenEverything:
+                    continue
+                if last:
+                    # the last block's output feeds nothing: once a whole run has counted its observations,
+                    # the other batches stop at the last one (its feed-forward and output never run)
+                    current.observations = current.observed
         finally:
+            current.observations = None
             for handle in handles:
                 handle.remove()
         found[prefix] = finished()

@@ -26,6 +26,8 @@ def _statistics(folder, scratch=None):
 @pytest.mark.parametrize("family", ["bert", "roberta", "distilbert", "electra", "mpnet", "gpt2", "gpt_bigcode", "opt"])
 def test_block_at_a_time_statistics_equal_whole_passes(family, tmp_path, monkeypatch):
     monkeypatch.setattr(capture, "_tokenizer", lambda folder: CharacterTokenizer())
+    # several batches: after the first, the last block's runs stop at its last observation
+    monkeypatch.setattr(capture, "BATCH_SEQUENCES", 5)
     folder = tmp_path / family
     build_family(family_case(family), folder)
     whole = _statistics(folder)
@@ -119,6 +121,7 @@ def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, mon
     from fixtures.models import ROTARY_CASES, build_rotary
 
     monkeypatch.setattr(capture, "_tokenizer", lambda folder: CharacterTokenizer())
+    monkeypatch.setattr(capture, "BATCH_SEQUENCES", 5)  # several batches, as above
     build_rotary(next(case for case in ROTARY_CASES if case.name == name), tmp_path / name)
     source = open_model(str(tmp_path / name))
     try:
