@@ -71,6 +71,33 @@ def math_threads(requested: int | None):
         torch.set_num_threads(default)
 
 
+class NeighbourGauge:
+    """How many cores other processes kept busy lately: the machine's busy time (/proc/stat) less this
+    process's own CPU time, over the wall time since the last reading. Cheap enough to ask on every call (a
+    reading is reused for `interval` seconds); None where /proc/stat is not there."""
+
+    def __init__(self, interval: float = 0.25):
+        self.interval = interval
+        self._last: tuple[float, float, float] | None = None  # (wall, busy seconds of all cores, own CPU seconds)
+        self._busy: float | None = None
+        self._hertz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def busy_elsewhere(self) -> float | None:
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < self.interval:
+            return self._busy
+        ticks = _cpu_ticks()
+        if ticks is None:
+            return None
+        reading = (now, (ticks[1] - ticks[0]) / self._hertz, time.process_time())
+        if self._last is not None:
+            wall = reading[0] - self._last[0]
+            others = (reading[1] - self._last[1]) - (reading[2] - self._last[2])
+            self._busy = max(others, 0.0) / wall
+        self._last = reading
+        return self._busy
+
+
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MMAP_THRESHOLD = 1 << 20
 HEAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its moving threshold (64-bit)

@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..cpu import NeighbourGauge
+
 ATTENTION_NAME = "collaborative"
 
 
@@ -161,7 +163,13 @@ def _blocked_inference(module, shared_query, packed_key, value, attention_mask, 
     [x W~_Q diag(m_i) s, s e_i] against the packed key [y W~_K, y r_1 .. y r_N] in ONE product, so the one-hot
     columns pick each head's content bias out of the key and no per-key add follows; then mask, softmax in
     place and values, while the block's scores are in cache. The whole (B, N_h, n, m) score tensor, and the
-    per-head query tensor, never exist: at full size they are fresh memory the CPU must fault in."""
+    per-head query tensor, never exist: at full size they are fresh memory the CPU must fault in.
+
+    Beside a busy neighbour (another process kept half a core or more busy lately) and with more than one
+    torch thread, the blocks are shared out to that many workers that each run a block's operations on one
+    thread, taking the next block when done (_BlockWorkers): a core the neighbour slows takes fewer blocks,
+    where torch's own split of every operation waits for its slowest thread. On a quiet machine torch's split
+    is faster (measured in docs/how-it-works.md), so it runs there."""
     heads, rank = module.mixing.shape
     (batch, n, _), m = shared_query.shape, packed_key.shape[1]
     width = rank + heads
@@ -171,27 +179,75 @@ def _blocked_inference(module, shared_query, packed_key, value, attention_mask, 
     rows = max(1, BLOCK_NUMBERS // (heads * (width + m)))
     sequences, rows = (max(1, rows // n), n) if rows >= n else (1, rows)
     output = value.new_empty(batch, n, heads, value.shape[-1])
-    queries = scores = None
-    for first in range(0, batch, sequences):
-        seqs = slice(first, min(batch, first + sequences))
-        count = seqs.stop - seqs.start
-        for row in range(0, n, rows):
-            span = slice(row, min(n, row + rows))
-            length = span.stop - span.start
-            if queries is None or queries.shape != (count, heads, length, width):
-                queries, scores = _workspace(shared_query, (count, heads, length, width), (count, heads, length, m))
-                queries[..., rank:] = head_picks
+    blocks = [(slice(first, min(batch, first + sequences)), slice(row, min(n, row + rows)))
+              for first in range(0, batch, sequences) for row in range(0, n, rows)]
+    inference = torch.is_inference_mode_enabled()
+
+    def run(block) -> None:
+        seqs, span = block
+        count, length = seqs.stop - seqs.start, span.stop - span.start
+        with torch.inference_mode(inference):
+            queries, scores = _workspace(shared_query, (count, heads, length, width), (count, heads, length, m))
+            queries[..., rank:] = head_picks
             torch.mul(shared_query[seqs, span].unsqueeze(1), mixing, out=queries[..., :rank])
             torch.bmm(queries.view(count, heads * length, width), key_t[seqs], out=scores.view(count, heads * length, m))
             if position_bias is not None:
                 scores += _block_of(position_bias, seqs, span)
             mask = _block_of(attention_mask, seqs, span) if attention_mask is not None else None
-            _mask_in_place(scores, mask, module, is_causal, first_row=row, rows=n)
+            _mask_in_place(scores, mask, module, is_causal, first_row=span.start, rows=n)
             weights = torch.softmax(scores, dim=-1, out=scores)
             if dropout and module.training:
                 weights = nn.functional.dropout(weights, p=dropout, training=True)
             output[seqs, span] = torch.matmul(weights, value[seqs]).transpose(1, 2)
+
+    _BlockWorkers.run(run, blocks)
     return output
+
+
+class _BlockWorkers:
+    """A few threads, each running torch on one thread, that take blocks from a shared iterator until none are
+    left: dynamic scheduling of the score blocks over the cores torch was given. Used only beside a busy
+    neighbour (NeighbourGauge). Started when first needed and kept (a new pool per call would cost more than a
+    small layer)."""
+
+    _pool = None
+    _size = 0
+    _lock = threading.Lock()
+    _gauge = NeighbourGauge()
+    BUSY = 0.5  # cores busy elsewhere from which the workers take over
+
+    @classmethod
+    def run(cls, work, blocks: list) -> None:
+        threads = torch.get_num_threads()
+        busy = cls._gauge.busy_elsewhere() if threads > 1 else None
+        if threads <= 1 or busy is None or busy < cls.BUSY:
+            for block in blocks:
+                work(block)
+            return
+        # one block (a decode step) too: one thread that runs it whole waits for no slowed thread
+        threads = min(threads, len(blocks))
+        taken = iter(blocks)  # next() on a list iterator is atomic under the GIL: each block runs once
+        futures = [cls._executor(threads).submit(cls._take, work, taken) for _ in range(threads)]
+        for future in futures:
+            future.result()
+
+    @staticmethod
+    def _take(work, taken) -> None:
+        for block in taken:
+            work(block)
+
+    @classmethod
+    def _executor(cls, threads: int):
+        with cls._lock:
+            if cls._pool is None or cls._size < threads:
+                from concurrent.futures import ThreadPoolExecutor
+
+                if cls._pool is not None:
+                    cls._pool.shutdown(wait=False)
+                cls._pool = ThreadPoolExecutor(threads, thread_name_prefix="collab-blocks",
+                                               initializer=torch.set_num_threads, initargs=(1,))
+                cls._size = threads
+            return cls._pool
 
 
 _WORKSPACES = threading.local()

@@ -64,12 +64,33 @@ def test_shared_key_path_matches_per_head_attention(mask_kind, value_heads):
     assert fast.shape == (batch, n, heads, head_dim)
 
 
+class BusyNeighbour:
+    def busy_elsewhere(self) -> float:
+        return 1.0
+
+
+@pytest.fixture(params=["torch-threads", "block-workers"])
+def scheduling(request, monkeypatch):
+    """How the blocks run: each operation split over torch's threads (a quiet machine), or whole blocks shared
+    out to single-threaded workers (beside a busy neighbour, as the gauge here says)."""
+    from collab_convert.modeling import attention
+
+    if request.param == "block-workers":
+        monkeypatch.setattr(attention._BlockWorkers, "_gauge", BusyNeighbour())
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        yield request.param
+        torch.set_num_threads(threads)
+    else:
+        yield request.param
+
+
 @pytest.mark.parametrize("block_numbers", [1, 700, 1 << 20], ids=["row-blocks", "sequence-blocks", "one-block"])
 @pytest.mark.parametrize("mask_kind", ["none", "padding", "bool", "causal-none", "full-float"])
 @pytest.mark.parametrize("cached", [False, True], ids=["prefill", "with-cache"])
-def test_blocked_inference_matches_per_head_attention(block_numbers, mask_kind, cached, monkeypatch):
+def test_blocked_inference_matches_per_head_attention(block_numbers, mask_kind, cached, scheduling, monkeypatch):
     # Inference without weights to return runs in blocks of sequences or of query rows; a cache makes the
-    # queries the last n of m positions. Every blocking gives per-head attention's output.
+    # queries the last n of m positions. Every blocking, however scheduled, gives per-head attention's output.
     from collab_convert.modeling import attention
 
     monkeypatch.setattr(attention, "BLOCK_NUMBERS", block_numbers)
@@ -88,6 +109,28 @@ def test_blocked_inference_matches_per_head_attention(block_numbers, mask_kind, 
         slow, _ = _per_head_attention(module, query, key, value, combined, scaling=0.3)
     assert weights is None and fast.shape == (batch, n, heads, head_dim)
     assert torch.allclose(fast, slow, atol=1e-5)
+    with torch.inference_mode():  # the workers run in the caller's mode
+        fast, _ = shared_key_attention(module, query, key, value, mask, scaling=0.3, keep_weights=False,
+                                       position_bias=bias)
+    assert torch.allclose(fast, slow, atol=1e-5)
+
+
+def test_the_neighbour_gauge_counts_other_processes_cpu_time_not_ours(monkeypatch):
+    from collab_convert import cpu
+
+    clock = {"wall": 0.0, "own": 0.0, "busy_ticks": 0}
+    monkeypatch.setattr(cpu.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(cpu.time, "process_time", lambda: clock["own"])
+    monkeypatch.setattr(cpu, "_cpu_ticks", lambda: (1000 - clock["busy_ticks"], 1000))  # (idle, all)
+    gauge = cpu.NeighbourGauge(interval=0.25)
+    gauge._hertz = 100
+    assert gauge.busy_elsewhere() is None  # one reading is no rate yet
+    clock.update(wall=1.0, own=1.5, busy_ticks=200)  # 2 cores busy for 1 s, 1.5 s of it ours
+    assert gauge.busy_elsewhere() == pytest.approx(0.5)
+    clock.update(wall=1.1, own=1.6, busy_ticks=220)  # within the interval: the last reading stands
+    assert gauge.busy_elsewhere() == pytest.approx(0.5)
+    clock.update(wall=2.0, own=3.5, busy_ticks=400)  # all of the busy time was ours
+    assert gauge.busy_elsewhere() == pytest.approx(0.0)
 
 
 def test_eager_and_sdpa_give_the_same_collaborative_model(tiny_bert, tmp_path, token_batch):
