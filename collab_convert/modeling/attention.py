@@ -244,10 +244,25 @@ class _BlockWorkers:
 
                 if cls._pool is not None:
                     cls._pool.shutdown(wait=False)
-                cls._pool = ThreadPoolExecutor(threads, thread_name_prefix="collab-blocks",
-                                               initializer=torch.set_num_threads, initargs=(1,))
-                cls._size = threads
+                ready = threading.Barrier(threads)
+                pool = ThreadPoolExecutor(threads, thread_name_prefix="collab-blocks",
+                                          initializer=_single_threaded, initargs=(ready,))
+                # torch.set_num_threads also sets the count every thread started later begins with: start all the
+                # workers now, then give that count back, so the caller's threads and new ones keep theirs
+                for future in [pool.submit(lambda: None) for _ in range(threads)]:
+                    future.result()
+                torch.set_num_threads(torch.get_num_threads())
+                cls._pool, cls._size = pool, threads
             return cls._pool
+
+
+def _single_threaded(ready: threading.Barrier) -> None:
+    torch.get_num_threads()  # torch's per-thread set-up first: it would later reset this thread's count
+    torch.set_num_threads(1)
+    try:
+        ready.wait(timeout=30)  # every worker started before the count is given back
+    except threading.BrokenBarrierError:
+        pass  # a slow start: the caller's count may be given back early, this thread still runs on one
 
 
 _WORKSPACES = threading.local()

@@ -115,6 +115,28 @@ def test_blocked_inference_matches_per_head_attention(block_numbers, mask_kind, 
     assert torch.allclose(fast, slow, atol=1e-5)
 
 
+def test_block_workers_run_on_one_thread_and_leave_everyone_elses_thread_count(monkeypatch):
+    import threading
+
+    from collab_convert.modeling import attention
+
+    monkeypatch.setattr(attention._BlockWorkers, "_gauge", BusyNeighbour())
+    monkeypatch.setattr(attention._BlockWorkers, "_pool", None)  # a fresh pool, started here
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        attention._BlockWorkers.run(lambda block: seen.append(torch.get_num_threads()), list(range(6)))
+        assert seen == [1] * 6
+        later = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert torch.get_num_threads() == 2 and later == [2]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_neighbour_gauge_counts_other_processes_cpu_time_not_ours(monkeypatch):
     from collab_convert import cpu
 
