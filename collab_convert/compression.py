@@ -96,7 +96,7 @@ def _stages(source: SourceModel, model: str, options: CompressOptions, progress:
             return convert_weights(source, options, folder, progress, ranks, metrics, finished)
 
         def write_record(reports, folder, method):
-            write_format_config(source, reports, folder, method)
+            write_format_config(source, reports, folder, method, calibrated=metrics is not None)
     _check(source, options, ranks)
     reports, files = convert(staged.folder, FinishedLayers(staged.finished_work))
     staged.drop_scratch()

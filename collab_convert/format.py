@@ -7,7 +7,9 @@ take their place:
     P.shared_query.weight  (R, D_in)    x -> x W~_Q, shared by every head (nn.Linear layout)
     P.shared_key.weight    (R, D_in)    y -> y W~_K, shared by every head
     P.mixing               (N_h, R)     head i scores with x W~_Q diag(mixing[i]) W~_K^T y^T
-    P.content_bias         (N_h, D_in)  head i adds y . content_bias[i] (what the query bias did)
+    P.content_bias         (N_h, D_in)  head i adds y . content_bias[i] (what the query bias did); left out,
+                                        and recorded as "content_bias": false, where it would be all zeros
+                                        (no query bias and no calibration): a cache then holds R numbers
 
 Where a family fuses query, key and value into one projection, the value part stays as
 P.value_projection.weight / .bias, in the original layout. The writer (compress), the loader (the quantizer
@@ -115,10 +117,12 @@ class FormatConfig:
             )
 
     @staticmethod
-    def layer_entry(rank: int, heads: HeadCounts) -> dict[str, int]:
-        """One layer's record; kv_heads only where keys are grouped (fewer key than query heads)."""
+    def layer_entry(rank: int, heads: HeadCounts, content_bias: bool = True) -> dict[str, int]:
+        """One layer's record; kv_heads only where keys are grouped (fewer key than query heads), content_bias
+        only where the layer stores none."""
         grouped = {"kv_heads": heads.kv_heads} if heads.kv_heads != heads.num_heads else {}
-        return {"rank": rank, "num_heads": heads.num_heads, **grouped}
+        no_bias = {} if content_bias else {"content_bias": False}
+        return {"rank": rank, "num_heads": heads.num_heads, **grouped, **no_bias}
 
     @staticmethod
     def rotary_entry(heads: HeadCounts, head_dim: int, rotary_dim: int, frequency_ranks, pass_rank: int) -> dict:

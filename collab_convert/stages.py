@@ -19,7 +19,7 @@ from .decompose.methods import FitRequest, LayerFit, method_named
 from .decompose.products import content_bias, relative_error
 from .cpu import reused_heap
 from .errors import BadInputError
-from .format import FormatConfig, HeadCounts, collaborative_tensors, write_config
+from .format import CONTENT_BIAS, FormatConfig, HeadCounts, collaborative_tensors, write_config
 from .io.folders import check_output
 from .io.spill import SpillFolder
 from .io.tensors import ShardWriter, TensorSpec, parse_size
@@ -63,7 +63,8 @@ def _plan_layers(source: SourceModel, options: CompressOptions, ranks: dict[str,
         if rank != "auto":
             layer.check_rank(rank)
         before = original_cost(layer.shape, has_bias=layer.has_query_bias).parameters
-        after = collaborative_cost(layer.shape, rank).parameters if rank != "auto" else None
+        after = (collaborative_cost(layer.shape, rank, stores_content_bias(layer, options.calibration is not None))
+                 .parameters if rank != "auto" else None)
         layers.append({"name": layer.prefix, "rank": rank, "parameters_before": before, "parameters_after": after})
     return layers
 
@@ -160,8 +161,13 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
         fits, steps = refinement_steps(source, options, ranks, metrics, progress, finished)
     labels = layer_labels(source)
 
+    calibrated = metrics is not None
+
     def specs(layer: AttentionLayer) -> list[TensorSpec]:
-        return source.family.layout.output_specs(source.reader, layer, ranks[layer.prefix])
+        found = source.family.layout.output_specs(source.reader, layer, ranks[layer.prefix])
+        if stores_content_bias(layer, calibrated):
+            return found
+        return [spec for spec in found if spec.name != f"{layer.prefix}.{CONTENT_BIAS}"]
 
     def fit(layer: AttentionLayer, progress: Progress):
         started = time.perf_counter()
@@ -182,11 +188,22 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
             layer_fit.relative_error = relative_error(projections.products(layer.shape.num_heads), layer_fit.factors)
         tensors = collaborative_tensors(layer.prefix, layer_fit.factors.shared_query, layer_fit.factors.shared_key,
                                         layer_fit.factors.mixing, bias, projections.query_weight.dtype)
+        if not stores_content_bias(layer, calibrated):
+            zeros = tensors.pop(f"{layer.prefix}.{CONTENT_BIAS}")
+            assert not zeros.any(), "a layer without query bias or calibration has no content bias"
         tensors.update(projections.kept)
-        return _layer_report(layer, rank, layer_fit, refinement, time.perf_counter() - started), tensors
+        return _layer_report(layer, rank, layer_fit, refinement, time.perf_counter() - started,
+                             stores_content_bias(layer, calibrated)), tensors
 
     return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished,
                           workers=0 if steps else fit_workers())
+
+
+def stores_content_bias(layer: AttentionLayer, calibrated: bool) -> bool:
+    """Whether the layer keeps a content bias: it comes from the query bias, and calibration adds what the mean
+    of the query-side inputs does. Without either it is all zeros, and leaving it out keeps N_h numbers per
+    token out of a decoder's cache."""
+    return layer.has_query_bias or calibrated
 
 
 def fit_workers() -> int:
@@ -441,9 +458,9 @@ def _refine(projections: Projections, layer: AttentionLayer, fit: LayerFit, bias
 
 
 def _layer_report(layer: AttentionLayer, rank: int, fit: LayerFit, refinement: dict[str, Any] | None,
-                  seconds: float) -> LayerReport:
+                  seconds: float, content_bias: bool = True) -> LayerReport:
     before = original_cost(layer.shape, has_bias=layer.has_query_bias)
-    after = collaborative_cost(layer.shape, rank)
+    after = collaborative_cost(layer.shape, rank, content_bias)
     truncation = fit.per_head_truncation_error
     return LayerReport(
         name=layer.prefix,
@@ -467,7 +484,10 @@ def _layer_report(layer: AttentionLayer, rank: int, fit: LayerFit, refinement: d
     )
 
 
-def write_format_config(source: SourceModel, reports: list[LayerReport], folder: Path, method: str) -> None:
-    kv_heads = {layer.prefix: layer.kv_heads for layer in source.layers}
-    layers = {r.name: FormatConfig.layer_entry(r.rank, HeadCounts(r.num_heads, kv_heads[r.name])) for r in reports}
+def write_format_config(source: SourceModel, reports: list[LayerReport], folder: Path, method: str,
+                        calibrated: bool = False) -> None:
+    by_prefix = {layer.prefix: layer for layer in source.layers}
+    layers = {r.name: FormatConfig.layer_entry(r.rank, HeadCounts(r.num_heads, by_prefix[r.name].kv_heads),
+                                               stores_content_bias(by_prefix[r.name], calibrated))
+              for r in reports}
     write_config(source.config, source.family.name, method, layers, folder)

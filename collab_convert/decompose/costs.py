@@ -56,16 +56,19 @@ def original_cost(shape: LayerShape, has_bias: bool = True) -> QueryKeyCost:
     )
 
 
-def collaborative_cost(shape: LayerShape, rank: int) -> QueryKeyCost:
+def collaborative_cost(shape: LayerShape, rank: int, content_bias: bool = True) -> QueryKeyCost:
+    """`content_bias` False: the layer has none (no query bias, no calibration), so neither its projection nor
+    its cached numbers exist."""
     d, h = shape.input_dim, shape.num_heads
+    bias = 1 if content_bias else 0
     return QueryKeyCost(
         rank=rank,
-        parameters=2 * d * rank + h * rank + d * h,
+        parameters=2 * d * rank + h * rank + bias * d * h,
         # shared query and key, the mixing product, and the content-bias projection
-        projection_flops_per_token=2 * d * rank + h * rank + d * h,
-        score_flops={n: n * n * h * (rank + 1) for n in SEQUENCE_LENGTHS},
+        projection_flops_per_token=2 * d * rank + h * rank + bias * d * h,
+        score_flops={n: n * n * h * (rank + bias) for n in SEQUENCE_LENGTHS},
         # one shared key of R numbers, plus one content-bias score per head
-        key_cache_per_token=rank + h,
+        key_cache_per_token=rank + bias * h,
     )
 
 

@@ -46,18 +46,25 @@ class CollaborativeConfigView:
         return ATTENTION_NAME
 
 
+def bias_heads(module) -> int:
+    """Content-bias numbers per key in the packed key: N_h, or 0 where the layer stores no content bias."""
+    return module.content_bias.shape[0]
+
+
 def unpack_pseudo_heads(module, query: torch.Tensor, key: torch.Tensor):
-    """(B, P, n, d) pseudo-heads back into per-head queries (B, N_h, n, R+1) and keys (B, N_h, m, R+1)."""
+    """(B, P, n, d) pseudo-heads back into per-head queries (B, N_h, n, R+1) and keys (B, N_h, m, R+1) (R wide
+    where the layer has no content bias)."""
     heads, rank = module.mixing.shape
     batch = query.shape[0]
     shared_query = query.transpose(1, 2).reshape(batch, query.shape[2], -1)[..., :rank]
     packed_key = key.transpose(1, 2).reshape(batch, key.shape[2], -1)
-    shared_key, bias = packed_key[..., :rank], packed_key[..., rank : rank + heads]
+    shared_key, bias = packed_key[..., :rank], packed_key[..., rank : rank + bias_heads(module)]
 
     queries = shared_query.unsqueeze(1) * module.mixing[None, :, None, :]
-    queries = torch.cat([queries, queries.new_ones(*queries.shape[:-1], 1)], dim=-1)
     keys = shared_key.unsqueeze(1).expand(batch, heads, *shared_key.shape[1:])
-    keys = torch.cat([keys, bias.transpose(1, 2).unsqueeze(-1)], dim=-1)
+    if bias.shape[-1]:
+        queries = torch.cat([queries, queries.new_ones(*queries.shape[:-1], 1)], dim=-1)
+        keys = torch.cat([keys, bias.transpose(1, 2).unsqueeze(-1)], dim=-1)
     return queries, keys
 
 
@@ -123,7 +130,7 @@ def shared_key_attention(module, query, key, value, attention_mask, scaling=None
     batch, n, m = query.shape[0], query.shape[2], key.shape[2]
     scaling = 1.0 if scaling is None else scaling
     shared_query = query.transpose(1, 2).reshape(batch, n, -1)[..., :rank]
-    packed_key = key.transpose(1, 2).reshape(batch, m, -1)[..., : rank + heads]
+    packed_key = key.transpose(1, 2).reshape(batch, m, -1)[..., : rank + bias_heads(module)]
     if value.shape[1] not in (1, heads):  # grouped values: one per query head
         value = value.repeat_interleave(heads // value.shape[1], dim=1)
     position_bias = kwargs.get("position_bias")
@@ -134,13 +141,14 @@ def shared_key_attention(module, query, key, value, attention_mask, scaling=None
     queries = shared_query.unsqueeze(1) * (module.mixing * scaling).to(query.dtype)[None, :, None, :]
     scores = torch.bmm(queries.view(batch, heads * n, rank), packed_key[..., :rank].transpose(1, 2))
     scores = scores.view(batch, heads, n, m)
-    per_key = (packed_key[..., rank:] * scaling).transpose(1, 2).unsqueeze(2)  # (B, N_h, 1, m)
     if position_bias is not None:
         scores += position_bias
-    if attention_mask is not None and attention_mask.dtype != torch.bool and attention_mask.shape[-2] == 1:
-        per_key = per_key + attention_mask[..., :m]  # a padding mask is per key too: one small add
-        attention_mask = None
-    scores += per_key
+    if packed_key.shape[-1] > rank:
+        per_key = (packed_key[..., rank:] * scaling).transpose(1, 2).unsqueeze(2)  # (B, N_h, 1, m)
+        if attention_mask is not None and attention_mask.dtype != torch.bool and attention_mask.shape[-2] == 1:
+            per_key = per_key + attention_mask[..., :m]  # a padding mask is per key too: one small add
+            attention_mask = None
+        scores += per_key
     _mask_in_place(scores, attention_mask, module, kwargs.get("is_causal"))
     if scores.dtype == torch.float32 and not (torch.is_grad_enabled() and scores.requires_grad):
         # inference: softmax over the scores in place, no second (B, N_h, n, m) tensor to allocate and fill
@@ -172,7 +180,7 @@ def _blocked_inference(module, shared_query, packed_key, value, attention_mask, 
     is faster (measured in docs/how-it-works.md), so it runs there."""
     heads, rank = module.mixing.shape
     (batch, n, _), m = shared_query.shape, packed_key.shape[1]
-    width = rank + heads
+    width = packed_key.shape[-1]  # rank + N_h, or rank where the layer has no content bias
     mixing = (module.mixing * scaling).to(shared_query.dtype)[None, :, None, :]
     head_picks = (torch.eye(heads, dtype=shared_query.dtype, device=shared_query.device) * scaling)[None, :, None, :]
     key_t = packed_key.transpose(1, 2)  # (B, R + N_h, m): a transposed operand, no copy
@@ -188,7 +196,8 @@ def _blocked_inference(module, shared_query, packed_key, value, attention_mask, 
         count, length = seqs.stop - seqs.start, span.stop - span.start
         with torch.inference_mode(inference):
             queries, scores = _workspace(shared_query, (count, heads, length, width), (count, heads, length, m))
-            queries[..., rank:] = head_picks
+            if width > rank:
+                queries[..., rank:] = head_picks
             torch.mul(shared_query[seqs, span].unsqueeze(1), mixing, out=queries[..., :rank])
             torch.bmm(queries.view(count, heads * length, width), key_t[seqs], out=scores.view(count, heads * length, m))
             if position_bias is not None:

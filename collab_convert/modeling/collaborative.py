@@ -69,7 +69,7 @@ class CollaborativeMixin:
 
     @property
     def _key_width(self) -> int:
-        return _padded(self.mixing.shape[1] + self.mixing.shape[0], self.collaborative_head_dim)
+        return _padded(self.mixing.shape[1] + self.content_bias.shape[0], self.collaborative_head_dim)
 
 
 _CLASS_CACHE: dict[tuple[type, str], type] = {}
@@ -90,11 +90,12 @@ def _collaborative_class(original: type, family) -> type:
     return _CLASS_CACHE[cache_key]
 
 
-def make_collaborative(module: nn.Module, family, rank: int, heads) -> nn.Module:
+def make_collaborative(module: nn.Module, family, rank: int, heads, content_bias: bool = True) -> nn.Module:
     """Turn one attention module into its collaborative form, in place, with uninitialised parameters.
 
     `family` brings the layout (which projections to take off) and the forward, if the module needs ours;
-    `heads` the query and key/value head counts.
+    `heads` the query and key/value head counts; `content_bias` False where the checkpoint stores none (it
+    would be all zeros): the module then holds an empty one, and its packed key is the shared key alone.
     """
     layout = family.layout
     d_in, head_dim, weight = layout.module_dims(module, heads)
@@ -103,7 +104,10 @@ def make_collaborative(module: nn.Module, family, rank: int, heads) -> nn.Module
     module.shared_query = nn.Linear(d_in, rank, bias=False, **factory)
     module.shared_key = nn.Linear(d_in, rank, bias=False, **factory)
     module.mixing = nn.Parameter(torch.zeros(heads.num_heads, rank, **factory))
-    module.content_bias = nn.Parameter(torch.zeros(heads.num_heads, d_in, **factory))
+    if content_bias:
+        module.content_bias = nn.Parameter(torch.zeros(heads.num_heads, d_in, **factory))
+    else:  # not in the checkpoint: a buffer that is not saved, so loading expects nothing
+        module.register_buffer("content_bias", torch.zeros(0, d_in, **factory), persistent=False)
     module.collaborative_head_dim = head_dim
     # transformers' weight initialisation would reach for the removed projections (T5 initialises
     # module.q.weight); the collaborative tensors come from the checkpoint, and start at zero otherwise.
@@ -140,7 +144,7 @@ def collaborate_model(model: nn.Module, family, layers: dict[str, dict], base_pr
         else:
             num_heads = int(entry["num_heads"])
             heads = HeadCounts(num_heads, int(entry.get("kv_heads") or num_heads))
-            make_collaborative(module, family, int(entry["rank"]), heads)
+            make_collaborative(module, family, int(entry["rank"]), heads, bool(entry.get("content_bias", True)))
         converted.append(name)
     if len(converted) != len(wanted):
         missing = sorted(set(wanted) - {strip_prefix(n, base_prefix) for n in converted})

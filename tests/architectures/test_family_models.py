@@ -86,20 +86,53 @@ def test_decoder_cache_holds_exactly_the_shared_key(name, tmp_path):
 @pytest.mark.parametrize("name", ["bart", "t5"])
 def test_encoder_decoder_caches_hold_exactly_the_shared_keys(name, tmp_path):
     # The decoder's self-attention caches its packed shared key token by token, encoder-decoder attention
-    # the encoder's once; both R + N_h numbers per token, nothing padded to whole heads (R + N_h = 13 + N_h
-    # is no multiple of the head size here).
+    # the encoder's once; nothing padded to whole heads (13 + N_h and 13 are no multiples of the head size
+    # here). BART has query biases, so each key also carries one content-bias number per head (R + N_h); T5 has
+    # none, so its content bias would be all zeros and the cache holds the shared key alone (R).
     case = next(c for c in CASES if c.name == name)
     build_family(case, tmp_path / "model")
     rank = 13
     compress(str(tmp_path / "model"), CompressOptions(rank=rank, output=tmp_path / "out"))
     model = case.auto_class().from_pretrained(tmp_path / "out").eval()
     heads = getattr(model.config, "decoder_attention_heads", None) or model.config.num_heads
-    assert (rank + heads) % case.head_dim
+    width = rank + heads if name == "bart" else rank
+    assert width % case.head_dim
     source, target = torch.randint(3, 60, (1, 9)), torch.randint(3, 60, (1, 5))
     with torch.no_grad():
         cache = model(input_ids=source, decoder_input_ids=target, use_cache=True).past_key_values
-    assert cache.self_attention_cache.layers[0].keys.shape == (1, 1, 5, rank + heads)
-    assert cache.cross_attention_cache.layers[0].keys.shape == (1, 1, 9, rank + heads)
+    assert cache.self_attention_cache.layers[0].keys.shape == (1, 1, 5, width)
+    assert cache.cross_attention_cache.layers[0].keys.shape == (1, 1, 9, width)
+
+
+def test_a_layer_without_query_bias_stores_no_content_bias_unless_calibrated(tmp_path, monkeypatch):
+    # T5 has no query bias: weight-only, its content bias would be all zeros, so the checkpoint leaves it out
+    # and says so; calibration adds a content bias (the mean of the query-side inputs), which is then kept.
+    import json
+
+    from safetensors import safe_open
+
+    from collab_convert.integration import capture
+    from fixtures import SENTENCES
+    from fixtures.models import CharacterTokenizer
+
+    monkeypatch.setattr(capture, "_tokenizer", lambda folder: CharacterTokenizer())
+    monkeypatch.setattr("collab_convert.predict.can_measure", lambda source: False)  # no real tokenizer here
+    case = next(c for c in CASES if c.name == "t5")
+    build_family(case, tmp_path / "model")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(SENTENCES[:12]) + "\n")
+    for calibrated in (False, True):
+        out = tmp_path / f"out-{calibrated}"
+        compress(str(tmp_path / "model"), CompressOptions(rank=8, output=out, calibration=texts if calibrated else None,
+                                                          refine_steps=0, calibration_max_length=24))
+        layers = json.loads((out / "config.json").read_text())["quantization_config"]["layers"]
+        with safe_open(out / "model.safetensors", "pt") as weights:
+            stored = [name for name in weights.keys() if name.endswith("content_bias")]
+        if calibrated:
+            assert len(stored) == len(layers) and all("content_bias" not in entry for entry in layers.values())
+        else:
+            assert stored == [] and all(entry["content_bias"] is False for entry in layers.values())
+        assert case.auto_class().from_pretrained(out) is not None
 
 
 def test_multi_query_layout_is_recorded(tmp_path):

@@ -15,20 +15,22 @@ class FakeModule(nn.Module):
     collaborative_origin = nn.Module
     is_collaborative = True
 
-    def __init__(self, heads, rank, causal=False):
+    def __init__(self, heads, rank, causal=False, content_bias=True):
         super().__init__()
         self.mixing = nn.Parameter(torch.randn(heads, rank))
+        self.content_bias = torch.zeros(heads if content_bias else 0, 1)  # the score path reads its row count
         self.is_causal = causal
         self.config = type("Config", (), {"_attn_implementation": "eager"})()
 
 
-def pseudo_heads(batch, n, m, heads, rank, head_dim):
-    """Shared query and packed key [shared key, per-head bias], padded to head_dim chunks, as (B, P, len, d)."""
+def pseudo_heads(batch, n, m, heads, rank, head_dim, content_bias=True):
+    """Shared query and packed key [shared key, per-head bias (where there is one)], padded to head_dim chunks,
+    as (B, P, len, d)."""
     def padded(width, length):
         tensor = torch.zeros(batch, length, -(-width // head_dim) * head_dim)
         tensor[..., :width] = torch.randn(batch, length, width)
         return tensor.view(batch, length, -1, head_dim).transpose(1, 2)
-    return padded(rank, n), padded(rank + heads, m)
+    return padded(rank, n), padded(rank + (heads if content_bias else 0), m)
 
 
 def masks(kind, batch, n, m):
@@ -51,11 +53,12 @@ def masks(kind, batch, n, m):
 
 @pytest.mark.parametrize("mask_kind", ["none", "padding", "bool", "causal-none", "full-float"])
 @pytest.mark.parametrize("value_heads", [4, 1, 2])
-def test_shared_key_path_matches_per_head_attention(mask_kind, value_heads):
+@pytest.mark.parametrize("content_bias", [True, False], ids=["content-bias", "no-content-bias"])
+def test_shared_key_path_matches_per_head_attention(mask_kind, value_heads, content_bias):
     torch.manual_seed(0)
     batch, n, heads, rank, head_dim = 2, 5, 4, 6, 8
-    module = FakeModule(heads, rank, causal=mask_kind == "causal-none")
-    query, key = pseudo_heads(batch, n, n, heads, rank, head_dim)
+    module = FakeModule(heads, rank, causal=mask_kind == "causal-none", content_bias=content_bias)
+    query, key = pseudo_heads(batch, n, n, heads, rank, head_dim, content_bias)
     value = torch.randn(batch, value_heads, n, head_dim)
     mask, additive = masks(mask_kind, batch, n, n)
     fast, fast_weights = shared_key_attention(module, query, key, value, mask, scaling=0.3)
@@ -88,7 +91,9 @@ def scheduling(request, monkeypatch):
 @pytest.mark.parametrize("block_numbers", [1, 700, 1 << 20], ids=["row-blocks", "sequence-blocks", "one-block"])
 @pytest.mark.parametrize("mask_kind", ["none", "padding", "bool", "causal-none", "full-float"])
 @pytest.mark.parametrize("cached", [False, True], ids=["prefill", "with-cache"])
-def test_blocked_inference_matches_per_head_attention(block_numbers, mask_kind, cached, scheduling, monkeypatch):
+@pytest.mark.parametrize("content_bias", [True, False], ids=["content-bias", "no-content-bias"])
+def test_blocked_inference_matches_per_head_attention(block_numbers, mask_kind, cached, content_bias, scheduling,
+                                                      monkeypatch):
     # Inference without weights to return runs in blocks of sequences or of query rows; a cache makes the
     # queries the last n of m positions. Every blocking, however scheduled, gives per-head attention's output.
     from collab_convert.modeling import attention
@@ -97,8 +102,8 @@ def test_blocked_inference_matches_per_head_attention(block_numbers, mask_kind, 
     torch.manual_seed(1)
     batch, heads, rank, head_dim = 5, 4, 6, 8
     n, m = (3, 7) if cached else (7, 7)
-    module = FakeModule(heads, rank, causal=mask_kind == "causal-none")
-    query, key = pseudo_heads(batch, n, m, heads, rank, head_dim)
+    module = FakeModule(heads, rank, causal=mask_kind == "causal-none", content_bias=content_bias)
+    query, key = pseudo_heads(batch, n, m, heads, rank, head_dim, content_bias)
     value = torch.randn(batch, 2, m, head_dim)
     mask, additive = masks(mask_kind, batch, n, m)
     bias = torch.randn(1, heads, n, m)
