@@ -11,6 +11,7 @@ sizes and are refused) with the original 1/sqrt(d_k) scaling, masks and everythi
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -221,6 +222,7 @@ class _BlockWorkers:
 
     _pool = None
     _size = 0
+    _pid = None  # a forked child inherits the pool object but not its threads: it starts its own
     _lock = threading.Lock()
     _gauge = NeighbourGauge()
     BUSY = 0.5  # cores busy elsewhere from which the workers take over
@@ -248,10 +250,10 @@ class _BlockWorkers:
     @classmethod
     def _executor(cls, threads: int):
         with cls._lock:
-            if cls._pool is None or cls._size < threads:
+            if cls._pool is None or cls._size < threads or cls._pid != os.getpid():
                 from concurrent.futures import ThreadPoolExecutor
 
-                if cls._pool is not None:
+                if cls._pool is not None and cls._pid == os.getpid():
                     cls._pool.shutdown(wait=False)
                 ready = threading.Barrier(threads)
                 pool = ThreadPoolExecutor(threads, thread_name_prefix="collab-blocks",
@@ -261,7 +263,7 @@ class _BlockWorkers:
                 for future in [pool.submit(lambda: None) for _ in range(threads)]:
                     future.result()
                 torch.set_num_threads(torch.get_num_threads())
-                cls._pool, cls._size = pool, threads
+                cls._pool, cls._size, cls._pid = pool, threads, os.getpid()
             return cls._pool
 
 

@@ -142,6 +142,40 @@ def test_block_workers_run_on_one_thread_and_leave_everyone_elses_thread_count(m
         torch.set_num_threads(before)
 
 
+def test_a_forked_child_runs_blocks_with_workers_of_its_own(monkeypatch):
+    # A child forked after the pool started (a data-loader worker, say) inherits the pool but not its threads;
+    # handing it blocks must not wait forever.
+    import os
+    import signal
+    import time
+
+    from collab_convert.modeling import attention
+
+    monkeypatch.setattr(attention._BlockWorkers, "_gauge", BusyNeighbour())
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        attention._BlockWorkers.run(lambda block: None, [1, 2, 3])  # the parent's pool, started
+        child = os.fork()
+        if child == 0:
+            seen = []
+            attention._BlockWorkers.run(seen.append, [4, 5, 6])
+            os._exit(0 if sorted(seen) == [4, 5, 6] else 1)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(child, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            pytest.fail("the forked child's blocks never ran")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_neighbour_gauge_counts_other_processes_cpu_time_not_ours(monkeypatch):
     from collab_convert import cpu
 
