@@ -109,7 +109,10 @@ def test_interrupted_run_leaves_nothing_behind(minilm_path, tmp_path, signal_num
     before = folder_digest(minilm_path)
     out = tmp_path / "out"
     process = subprocess.Popen(
-        [sys.executable, "-m", "collab_convert", "compress", str(minilm_path), "--rank", "96", "-o", str(out), "-q"],
+        # a tight ALS tolerance keeps the fits busy for seconds: a default run is over within half a second of
+        # its staging folder appearing on a fast machine, and the signal would find it finished
+        [sys.executable, "-m", "collab_convert", "compress", str(minilm_path), "--rank", "96", "-o", str(out), "-q",
+         "--tolerance", "1e-6", "--max-iterations", "100000"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
