@@ -174,7 +174,8 @@ def _blocked_inference(module, shared_query, packed_key, value, attention_mask, 
     place and values, while the block's scores are in cache. The whole (B, N_h, n, m) score tensor, and the
     per-head query tensor, never exist: at full size they are fresh memory the CPU must fault in.
 
-    Beside a busy neighbour (another process kept half a core or more busy lately) and with more than one
+    Beside a busy neighbour (other processes kept busy half a core or more beyond the cores torch leaves free)
+    and with more than one
     torch thread, the blocks are shared out to that many workers that each run a block's operations on one
     thread, taking the next block when done (_BlockWorkers): a core the neighbour slows takes fewer blocks,
     where torch's own split of every operation waits for its slowest thread. On a quiet machine torch's split
@@ -231,7 +232,10 @@ class _BlockWorkers:
     def run(cls, work, blocks: list) -> None:
         threads = torch.get_num_threads()
         busy = cls._gauge.busy_elsewhere() if threads > 1 else None
-        if threads <= 1 or busy is None or busy < cls.BUSY:
+        # others' work lands on our threads' cores only once it fills the cores we leave free (a big machine's
+        # other jobs usually run beside ours, not on top of them)
+        spare = max((os.cpu_count() or threads) - threads, 0)
+        if threads <= 1 or busy is None or busy - spare < cls.BUSY:
             for block in blocks:
                 work(block)
             return

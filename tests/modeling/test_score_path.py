@@ -69,7 +69,7 @@ def test_shared_key_path_matches_per_head_attention(mask_kind, value_heads, cont
 
 class BusyNeighbour:
     def busy_elsewhere(self) -> float:
-        return 1.0
+        return 1e6  # every core of any machine busy elsewhere
 
 
 @pytest.fixture(params=["torch-threads", "block-workers"])
@@ -140,6 +140,29 @@ def test_block_workers_run_on_one_thread_and_leave_everyone_elses_thread_count(m
         assert torch.get_num_threads() == 2 and later == [2]
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("busy, workers", [(None, False), (0.2, False), (5.0, False), (6.6, True)])
+def test_workers_take_over_only_when_others_crowd_our_cores(busy, workers, monkeypatch):
+    # 8 cores, torch on 2: others may keep 6 busy before any of their work lands on ours
+    import threading
+
+    from collab_convert.modeling import attention
+
+    class Gauge:
+        def busy_elsewhere(self):
+            return busy
+
+    monkeypatch.setattr(attention._BlockWorkers, "_gauge", Gauge())
+    monkeypatch.setattr(attention.os, "cpu_count", lambda: 8)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        names = []
+        attention._BlockWorkers.run(lambda block: names.append(threading.current_thread().name), [1, 2, 3, 4])
+    finally:
+        torch.set_num_threads(before)
+    assert all(name.startswith("collab-blocks") == workers for name in names) and len(names) == 4
 
 
 def test_a_forked_child_runs_blocks_with_workers_of_its_own(monkeypatch):
