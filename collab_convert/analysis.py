@@ -81,7 +81,7 @@ def _analyze_layer(source: SourceModel, layer, ranks: list[int], metrics) -> Lay
         fit = method_named(DEFAULT_METHOD).fit(FitRequest(
             products, at, query_metric=metric.query if metric else None, key_metric=metric.key if metric else None,
         ))
-        cost = collaborative_cost(layer.shape, at, layer.has_query_bias or metric is not None).as_dict()
+        cost = collaborative_cost(layer.shape, at, layer.stores_content_bias(metric is not None)).as_dict()
         candidates.append({**cost, "relative_error": round(fit.relative_error, 6),
                            "logit_error": None if fit.logit_error is None else round(fit.logit_error, 6)})
     return LayerAnalysis(

@@ -63,8 +63,8 @@ def _plan_layers(source: SourceModel, options: CompressOptions, ranks: dict[str,
         if rank != "auto":
             layer.check_rank(rank)
         before = original_cost(layer.shape, has_bias=layer.has_query_bias).parameters
-        after = (collaborative_cost(layer.shape, rank, stores_content_bias(layer, options.calibration is not None))
-                 .parameters if rank != "auto" else None)
+        keeps_bias = layer.stores_content_bias(options.calibration is not None)
+        after = collaborative_cost(layer.shape, rank, keeps_bias).parameters if rank != "auto" else None
         layers.append({"name": layer.prefix, "rank": rank, "parameters_before": before, "parameters_after": after})
     return layers
 
@@ -165,7 +165,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
 
     def specs(layer: AttentionLayer) -> list[TensorSpec]:
         found = source.family.layout.output_specs(source.reader, layer, ranks[layer.prefix])
-        if stores_content_bias(layer, calibrated):
+        if layer.stores_content_bias(calibrated):
             return found
         return [spec for spec in found if spec.name != f"{layer.prefix}.{CONTENT_BIAS}"]
 
@@ -188,22 +188,15 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
             layer_fit.relative_error = relative_error(projections.products(layer.shape.num_heads), layer_fit.factors)
         tensors = collaborative_tensors(layer.prefix, layer_fit.factors.shared_query, layer_fit.factors.shared_key,
                                         layer_fit.factors.mixing, bias, projections.query_weight.dtype)
-        if not stores_content_bias(layer, calibrated):
+        keeps_bias = layer.stores_content_bias(calibrated)
+        if not keeps_bias:
             zeros = tensors.pop(f"{layer.prefix}.{CONTENT_BIAS}")
             assert not zeros.any(), "a layer without query bias or calibration has no content bias"
         tensors.update(projections.kept)
-        return _layer_report(layer, rank, layer_fit, refinement, time.perf_counter() - started,
-                             stores_content_bias(layer, calibrated)), tensors
+        return _layer_report(layer, rank, layer_fit, refinement, time.perf_counter() - started, keeps_bias), tensors
 
     return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished,
                           workers=0 if steps else fit_workers())
-
-
-def stores_content_bias(layer: AttentionLayer, calibrated: bool) -> bool:
-    """Whether the layer keeps a content bias: it comes from the query bias, and calibration adds what the mean
-    of the query-side inputs does. Without either it is all zeros, and leaving it out keeps N_h numbers per
-    token out of a decoder's cache."""
-    return layer.has_query_bias or calibrated
 
 
 def fit_workers() -> int:
@@ -488,6 +481,6 @@ def write_format_config(source: SourceModel, reports: list[LayerReport], folder:
                         calibrated: bool = False) -> None:
     by_prefix = {layer.prefix: layer for layer in source.layers}
     layers = {r.name: FormatConfig.layer_entry(r.rank, HeadCounts(r.num_heads, by_prefix[r.name].kv_heads),
-                                               stores_content_bias(by_prefix[r.name], calibrated))
+                                               by_prefix[r.name].stores_content_bias(calibrated))
               for r in reports}
     write_config(source.config, source.family.name, method, layers, folder)

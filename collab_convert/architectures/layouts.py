@@ -49,6 +49,12 @@ class AttentionLayer:
         key every key head's numbers (the per-head queries stay)."""
         return self.key_rows if self.rotary_dim else self.shape.key_dim
 
+    def stores_content_bias(self, calibrated: bool) -> bool:
+        """Whether the collaborative layer keeps a content bias: it comes from the query bias, and calibration
+        adds what the mean of the query-side inputs does. Without either it is all zeros, and leaving it out
+        keeps N_h numbers per token out of a decoder's cache."""
+        return self.has_query_bias or calibrated
+
     def check_rank(self, rank: int) -> None:
         """The one refusal of a rank above the layer's full rank, where the collaborative form is exact."""
         if rank > self.full_rank:

@@ -175,11 +175,10 @@ def _blocked_inference(module, shared_query, packed_key, value, attention_mask, 
     per-head query tensor, never exist: at full size they are fresh memory the CPU must fault in.
 
     Beside a busy neighbour (other processes kept busy half a core or more beyond the cores torch leaves free)
-    and with more than one
-    torch thread, the blocks are shared out to that many workers that each run a block's operations on one
-    thread, taking the next block when done (_BlockWorkers): a core the neighbour slows takes fewer blocks,
-    where torch's own split of every operation waits for its slowest thread. On a quiet machine torch's split
-    is faster (measured in docs/how-it-works.md), so it runs there."""
+    and with more than one torch thread, the blocks are shared out to that many workers that each run a
+    block's operations on one thread, taking the next block when done (_BlockWorkers): a core the neighbour
+    slows takes fewer blocks, where torch's own split of every operation waits for its slowest thread. On a
+    quiet machine torch's split is faster (measured in docs/how-it-works.md), so it runs there."""
     heads, rank = module.mixing.shape
     (batch, n, _), m = shared_query.shape, packed_key.shape[1]
     width = packed_key.shape[-1]  # rank + N_h, or rank where the layer has no content bias
@@ -242,7 +241,8 @@ class _BlockWorkers:
         # one block (a decode step) too: one thread that runs it whole waits for no slowed thread
         threads = min(threads, len(blocks))
         taken = iter(blocks)  # next() on a list iterator is atomic under the GIL: each block runs once
-        futures = [cls._executor(threads).submit(cls._take, work, taken) for _ in range(threads)]
+        pool = cls._executor(threads)
+        futures = [pool.submit(cls._take, work, taken) for _ in range(threads)]
         for future in futures:
             future.result()
 
