@@ -27,6 +27,7 @@ from .stages import (
     calibration_texts,
     check_plan,
     convert_weights,
+    distill_checkpoint,
     energy_ranks,
     write_format_config,
 )
@@ -107,6 +108,8 @@ def _stages(source: SourceModel, model: str, options: CompressOptions, progress:
         threads=threads,
     )
     write_record(reports, staged.folder, result.method + ("+calibrated" if calibration else ""))
+    if options.distill_steps:  # checked with the plan: calibration texts and a language model are there
+        result.distillation = distill_checkpoint(source, staged.folder, fitted, options, progress)
     if held_out is not None and estimator is not None:  # calibration lends lines to measure the result on
         progress("measuring fidelity", 0, 1)
         result.fidelity = estimator.measured(staged.folder)

@@ -72,6 +72,13 @@ class CompressOptions(_ModelInputs):
         "early when a held-out slice stops improving; 0: off).",
     )
     refine_samples: int = Field(256, ge=1, description="With --calibration: sequences the refinement looks at.")
+    # After every layer is fitted on its own: every layer's collaborative tensors tuned together on the model's
+    # own output (integration/distillation.py). Off by default: it loads the original and the result whole.
+    distill_steps: int = Field(
+        0, ge=0, description="With --calibration, language models: then tune every layer's collaborative tensors "
+        "together, up to this many Adam steps (4 calibration texts each), so the next-token distributions match "
+        "the original's; the best state on held-out texts is kept. Loads both models whole. E.g. 100; 0: off.",
+    )
     output: Path = Field(
         description="Folder to write the collaborative checkpoint to.",
         json_schema_extra={"flags": ["--output", "-o"]},

@@ -127,6 +127,8 @@ class CompressResult(_Data):
     rank_choice: dict[str, Any] | None = None  # with --rank auto: how the ranks were chosen, and the estimate
     # measured on text the fit did not see (with calibration): cosine mean / 1st percentile, next-token agreement
     fidelity: dict[str, Any] | None = None
+    # with --distill-steps: the whole-model tuning against the original's next-token distributions
+    distillation: dict[str, Any] | None = None
     # seconds per stage (opening, calibrating, fitting, refining, writing, ...), as the progress display showed them
     stage_seconds: dict[str, float] | None = None
     threads: dict[str, Any] | None = None  # CPU threads the math ran on, and why that many (cpu.py)

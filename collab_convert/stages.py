@@ -39,6 +39,8 @@ def check_plan(source: SourceModel, options: CompressOptions, ranks: dict[str, i
         raise BadInputError(f"--device {options.device} was asked for, but torch sees no CUDA device here")
     if options.calibration is not None and not method_named(options.method).calibrates:
         raise BadInputError(f"--calibration does not work with the {options.method} method")
+    if options.distill_steps:
+        _check_distillation(source, options)
     if layers is None:
         layers = _plan_layers(source, options, ranks)
     return CompressPlan(
@@ -50,6 +52,16 @@ def check_plan(source: SourceModel, options: CompressOptions, ranks: dict[str, i
         parameters_before=sum(layer["parameters_before"] for layer in layers),
         parameters_after=sum(layer["parameters_after"] or 0 for layer in layers),
     )
+
+
+def _check_distillation(source: SourceModel, options: CompressOptions) -> None:
+    from .integration.fidelity import is_language_model
+
+    if options.calibration is None:
+        raise BadInputError("--distill-steps learns from the calibration text: give --calibration FILE too")
+    if not is_language_model(source.config.get("architectures")):
+        raise BadInputError("--distill-steps matches next-token distributions, so it needs a language model "
+                            f"(config.json's architectures name a ...ForCausalLM), not {source.config.get('architectures')}")
 
 
 def _plan_layers(source: SourceModel, options: CompressOptions, ranks: dict[str, int] | None) -> list[dict]:
@@ -484,3 +496,28 @@ def write_format_config(source: SourceModel, reports: list[LayerReport], folder:
                                                by_prefix[r.name].stores_content_bias(calibrated))
               for r in reports}
     write_config(source.config, source.family.name, method, layers, folder)
+
+
+def distill_checkpoint(source: SourceModel, folder: Path, texts: list[str], options: CompressOptions,
+                       progress: Progress) -> dict[str, Any]:
+    """--distill-steps: tune the written checkpoint's collaborative tensors together against the original
+    (integration/distillation.py) and write the best state over them in place; what happened, for the report."""
+    from .integration.distillation import distill
+    from .io.tensors import TensorReader, overwrite_tensors
+
+    progress("distilling", 0, options.distill_steps)
+    tuned, report = distill(source.folder, folder, texts, options.calibration_max_length, options.distill_steps,
+                            options.seed, progress)
+    reader = TensorReader(folder)
+    try:
+        on_disk = set(reader.names())
+    finally:
+        reader.close()
+    # The loaded model may name tensors with its head's base-model prefix ("model.") where the checkpoint has none.
+    renamed = {}
+    for name, tensor in tuned.items():
+        stripped = name.split(".", 1)[-1]
+        renamed[name if name in on_disk or stripped not in on_disk else stripped] = tensor
+    overwrite_tensors(folder, renamed)
+    progress("distilling", options.distill_steps, options.distill_steps)
+    return report.as_dict()

@@ -412,3 +412,26 @@ class ShardWriter:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         return self.files + ["model.safetensors.index.json"]
+
+
+def overwrite_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write new values of tensors already in the folder's safetensors shards, in place: same names, dtypes
+    and shapes, so every offset stays and no other byte changes. Values are cast to the dtype on disk."""
+    left = dict(tensors)
+    for file in sorted(folder.glob("*.safetensors")):
+        data_start, entries = check_safetensors_header(file)
+        found = [name for name in left if name in entries]
+        if not found:
+            continue
+        with open(file, "r+b") as handle:
+            for name in found:
+                entry = entries[name]
+                dtype = {v: k for k, v in SAFETENSORS_DTYPES.items()}[entry["dtype"]]
+                value = left.pop(name).detach().to("cpu", dtype).contiguous()
+                if list(value.shape) != list(entry["shape"]):
+                    raise RuntimeError(f"{name}: shape {list(value.shape)} is not the {entry['shape']} on disk")
+                handle.seek(data_start + entry["data_offsets"][0])
+                if value.numel():
+                    handle.write(value.reshape(-1).view(torch.uint8).numpy())
+    if left:
+        raise RuntimeError(f"tensors not in {folder}: {sorted(left)[:3]}")

@@ -51,6 +51,7 @@ def markdown_report(result: "CompressResult") -> str:
             f"fitted to the {result.calibration['objective']}",
             f"- refinement: {result.calibration.get('refinement', 'off')}",
         ]
+        lines += _distillation_lines(result.distillation)
         lines += ["", "| layer | logit error | attention KL before / after refinement | refinement steps |",
                   "|---|---:|---:|---:|"]
         for layer in result.layers:
@@ -109,3 +110,13 @@ def _rotary_lines(result: "CompressResult") -> list[str]:
     for layer in rotary:
         lines.append(f"| {layer.name} | {' '.join(map(str, layer.frequency_ranks))} | {layer.pass_rank} |")
     return lines
+
+
+def _distillation_lines(distillation: dict | None) -> list[str]:
+    if not distillation:
+        return []
+    d = distillation
+    return [f"- distillation (every layer together, next-token KL against the original on {d['held_out_sequences']} "
+            f"held-out calibration texts): {d['kl_before']:.4f} -> {d['kl_after']:.4f} nats per token; best of "
+            f"{d['steps']} Adam steps at step {d['best_step']}, {d['parameters_tuned']:,} parameters tuned on "
+            f"{d['sequences']} texts"]

@@ -1,0 +1,95 @@
+"""--distill-steps: after the layer-by-layer fit, every layer's collaborative tensors are tuned together against
+the original's next-token distributions; the checkpoint holds the best state, and nothing else changes."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from collab_convert import CompressOptions, compress
+from collab_convert.errors import BadInputError
+from collab_convert.integration.distillation import COLLABORATIVE_PARAMETERS
+from collab_convert.integration.fidelity import next_token_agreement
+from collab_convert.integration.loading import load_model
+from fixtures.models import ROTARY_CASES, build_rotary, save_tiny, save_tiny_tokenizer
+
+TEXTS = [f"the {w} was on the {v} and it is {w} again" for w in "abcdefgh" for v in "ijkl"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("distil") / "in"
+    model = build_rotary(next(c for c in ROTARY_CASES if c.name == "llama"), folder)
+    with torch.no_grad():  # random init scores near zero (uniform attention, nothing to lose): make them matter
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(40)
+            layer.self_attn.k_proj.weight.mul_(40)
+    model.save_pretrained(folder)
+    save_tiny_tokenizer(folder)
+    texts = folder.parent / "texts.txt"
+    texts.write_text("\n".join(TEXTS) + "\n")
+    return folder, texts
+
+
+def tensors(folder) -> dict[str, torch.Tensor]:
+    with safe_open(str(folder / "model.safetensors"), "pt") as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - not iterable itself
+
+
+def collaborative(name: str) -> bool:
+    return any(part in COLLABORATIVE_PARAMETERS for part in name.split(".")[-2:])
+
+
+def compressed(tiny_llama, out, **extra):
+    folder, texts = tiny_llama
+    options = CompressOptions(key_cache=0.5, output=out, calibration=texts, calibration_samples=32,
+                              refine_steps=10, **extra)
+    return compress(str(folder), options)
+
+
+def test_distillation_lowers_the_held_out_kl_and_changes_only_collaborative_tensors(tiny_llama, tmp_path):
+    compressed(tiny_llama, tmp_path / "fitted")
+    result = compressed(tiny_llama, tmp_path / "distilled", distill_steps=60)
+
+    report = result.distillation
+    assert report["kl_after"] < report["kl_before"]
+    assert 0 < report["best_step"] <= report["steps"] <= 60
+    assert report["parameters_tuned"] > 0 and report["held_out_sequences"] >= 1
+
+    fitted, distilled = tensors(tmp_path / "fitted"), tensors(tmp_path / "distilled")
+    assert fitted.keys() == distilled.keys()
+    changed = {name for name in fitted if not torch.equal(fitted[name], distilled[name])}
+    assert changed and all(collaborative(name) for name in changed)
+    assert any(name.endswith("shared_key.weight") for name in changed)
+    assert any(name.endswith("query_core") for name in changed)
+    assert all(distilled[name].dtype == fitted[name].dtype for name in fitted)
+
+    # The checkpoint loads, and on the calibration texts it is closer to the original than the fit alone.
+    folder, _ = tiny_llama
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    original = AutoModelForCausalLM.from_pretrained(folder).eval()
+    kl = {name: next_token_agreement(load_model(tmp_path / name).eval(), original, tokenizer, TEXTS)[1]
+          for name in ("fitted", "distilled")}
+    assert kl["distilled"] < kl["fitted"]
+    assert "distillation" in (tmp_path / "distilled" / "report.md").read_text()
+    assert json.loads((tmp_path / "distilled" / "report.json").read_text())["distillation"]["steps"] == report["steps"]
+
+
+def test_distillation_needs_calibration_text(tiny_llama, tmp_path):
+    folder, _ = tiny_llama
+    with pytest.raises(BadInputError, match="--calibration"):
+        compress(str(folder), CompressOptions(key_cache=0.5, output=tmp_path / "out", distill_steps=5))
+    assert not (tmp_path / "out").exists()
+
+
+def test_distillation_needs_a_language_model(tiny_llama, tmp_path):
+    _, texts = tiny_llama
+    save_tiny(tmp_path / "encoder")
+    save_tiny_tokenizer(tmp_path / "encoder")
+    with pytest.raises(BadInputError, match="language model"):
+        compress(str(tmp_path / "encoder"), CompressOptions(rank=8, output=tmp_path / "out", calibration=texts,
+                                                            distill_steps=5))
+    assert not (tmp_path / "out").exists()
