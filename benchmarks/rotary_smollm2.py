@@ -4,12 +4,13 @@ needs `gguf` and `accelerate`).
 
     python benchmarks/rotary_smollm2.py [--budgets 1.0,0.75,0.5] [--calibration 256] [--evaluate 64]
                                         [--calibration-max-length 256]
+                                        [--distill-steps 150]
 
 Printed side by side, in one run: perplexity on held-out Brown documents (disjoint Brown texts from the
 calibration documents, first 256 tokens each) of
   - the original (dequantised GGUF, float32),
-  - ours: `compress --key-cache B --calibration FILE --refine-steps 300` through the CLI as a user runs it
-    (wall time too),
+  - ours: `compress --key-cache B --calibration FILE --refine-steps 300 --distill-steps 150` through the CLI as
+    a user runs it (wall time too; the distillation's held-out KL before and after from its report),
   - the plain shared-subspace PCA at the same budget: keys pooled across heads per frequency, no query
     weighting, the same width in every layer and every frequency (what TransMLA-style RoRoPE does before
     it drops rotary dimensions),
@@ -20,6 +21,7 @@ cache's bytes after the same prompt.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import subprocess
 import sys
@@ -92,6 +94,8 @@ def main() -> None:
     parser.add_argument("--calibration", type=int, default=256)
     parser.add_argument("--evaluate", type=int, default=64)
     parser.add_argument("--refine-steps", type=int, default=300)
+    parser.add_argument("--distill-steps", type=int, default=150,
+                        help="whole-model distillation after the layer fits (0: the layer fits alone)")
     parser.add_argument("--calibration-max-length", type=int, default=256,
                         help="tokens of each calibration document (perplexity is measured on 256)")
     args = parser.parse_args()
@@ -122,11 +126,17 @@ def main() -> None:
             if budget < 1:
                 command += ["--calibration", str(calibration_file), "--calibration-samples", str(len(calibration)),
                             "--refine-steps", str(args.refine_steps),
-                            "--calibration-max-length", str(args.calibration_max_length)]
+                            "--calibration-max-length", str(args.calibration_max_length),
+                            "--distill-steps", str(args.distill_steps)]
             subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
             seconds = time.perf_counter() - started
+            report = json.loads((out / "report.json").read_text())
             ours = load_model(out).eval()
             line = f"key cache {budget:.2f}: ours {perplexity(ours, tokenizer, held_out):.3f} ({seconds:.0f} s CLI)"
+            if report.get("distillation"):
+                d = report["distillation"]
+                line += (f" [distillation: held-out KL {d['kl_before']:.4f} -> {d['kl_after']:.4f}, best of "
+                         f"{d['steps']} steps at {d['best_step']}, {d['seconds']:.0f} s]")
             if budget < 1:
                 plain = Path(scratch) / f"plain-{budget}"
                 plain_pca(folder, budget, plain)
