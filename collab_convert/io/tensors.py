@@ -416,22 +416,24 @@ class ShardWriter:
 
 def overwrite_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Write new values of tensors already in the folder's safetensors shards, in place: same names, dtypes
-    and shapes, so every offset stays and no other byte changes. Values are cast to the dtype on disk."""
+    and shapes, so every offset stays and no other byte changes. Values are cast to the dtype on disk. Every
+    name and shape is checked before the first byte is written."""
+    by_dtype = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+    plan: dict[Path, list[tuple[int, torch.Tensor]]] = {}
     left = dict(tensors)
     for file in sorted(folder.glob("*.safetensors")):
         data_start, entries = check_safetensors_header(file)
-        found = [name for name in left if name in entries]
-        if not found:
-            continue
-        with open(file, "r+b") as handle:
-            for name in found:
-                entry = entries[name]
-                dtype = {v: k for k, v in SAFETENSORS_DTYPES.items()}[entry["dtype"]]
-                value = left.pop(name).detach().to("cpu", dtype).contiguous()
-                if list(value.shape) != list(entry["shape"]):
-                    raise RuntimeError(f"{name}: shape {list(value.shape)} is not the {entry['shape']} on disk")
-                handle.seek(data_start + entry["data_offsets"][0])
-                if value.numel():
-                    handle.write(value.reshape(-1).view(torch.uint8).numpy())
+        for name in [name for name in left if name in entries]:
+            entry, value = entries[name], left.pop(name)
+            if list(value.shape) != list(entry["shape"]):
+                raise RuntimeError(f"{name}: shape {list(value.shape)} is not the {entry['shape']} on disk")
+            value = value.detach().to("cpu", by_dtype[entry["dtype"]]).contiguous()
+            plan.setdefault(file, []).append((data_start + entry["data_offsets"][0], value))
     if left:
         raise RuntimeError(f"tensors not in {folder}: {sorted(left)[:3]}")
+    for file, writes in plan.items():
+        with open(file, "r+b") as handle:
+            for offset, value in writes:
+                handle.seek(offset)
+                if value.numel():
+                    handle.write(value.reshape(-1).view(torch.uint8).numpy())

@@ -108,3 +108,32 @@ def test_copied_tensors_are_byte_identical_however_the_kernel_copies(tmp_path, m
         copy.copy_bytes(reader.spec(name), reader.byte_range(name), chunk=7)
     copy.finish()
     assert (out / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+
+
+def test_tensors_are_overwritten_in_place_and_nothing_else_moves(tmp_path):
+    from collab_convert.io.tensors import overwrite_tensors
+
+    first = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    second = torch.ones(5, dtype=torch.bfloat16)
+    specs = [TensorSpec("a", torch.float32, (3, 4)), TensorSpec("b", torch.bfloat16, (5,)),
+             TensorSpec("c", torch.float32, (2,))]
+    writer = ShardWriter(tmp_path, specs, max_shard_bytes=50)  # "a" in one shard, "b" and "c" in another
+    for spec, tensor in zip(specs, (first, second, torch.tensor([7.0, 8.0])), strict=True):
+        writer.add(spec.name, tensor)
+    files = writer.finish()
+    before = {name: (tmp_path / name).read_bytes() for name in files}
+
+    overwrite_tensors(tmp_path, {"b": torch.full((5,), 2.5, dtype=torch.float64), "a": -first})
+
+    reader = TensorReader(tmp_path)
+    assert torch.equal(reader.get("a"), -first)
+    assert reader.get("b").dtype == torch.bfloat16 and torch.equal(reader.get("b"), torch.full((5,), 2.5).bfloat16())
+    assert torch.equal(reader.get("c"), torch.tensor([7.0, 8.0]))
+    reader.close()
+    assert {name: len((tmp_path / name).read_bytes()) for name in files} == {n: len(b) for n, b in before.items()}
+    written = {name: (tmp_path / name).read_bytes() for name in files}
+    with pytest.raises(RuntimeError, match="shape"):
+        overwrite_tensors(tmp_path, {"a": first, "c": torch.zeros(3)})
+    with pytest.raises(RuntimeError, match="not in"):
+        overwrite_tensors(tmp_path, {"a": first, "missing": torch.zeros(1)})
+    assert {name: (tmp_path / name).read_bytes() for name in files} == written  # refused whole, before a byte
