@@ -32,7 +32,9 @@ def analyze(model: str, ranks: list[int] | None = None, progress: Progress = no_
         for layer in source.layers:
             for rank in options.ranks or []:
                 layer.check_rank(rank)  # the same refusal as compress
-        settings = _fit_settings(options)
+        from .stages import within_positions
+
+        settings = within_positions(source, _fit_settings(options))
         metrics, held_out = _statistics(source, settings, progress)
         layers = []
         for index, layer in enumerate(source.layers):
@@ -153,9 +155,9 @@ def _analyze_rotary(source: SourceModel, model: str, options: AnalyzeOptions, pr
             layer.check_rank(rank)  # the same refusal as compress
     widths = options.ranks or sorted({max(2, round(share * full)) for share in KEY_CACHE_SHARES}, reverse=True)
     if options.calibration is not None:
-        from .stages import calibration_texts
+        from .stages import calibration_texts, within_positions
 
-        settings = _fit_settings(options).model_copy(update={"refine_steps": 0})
+        settings = within_positions(source, _fit_settings(options).model_copy(update={"refine_steps": 0}))
         fitted, _ = calibration_texts(settings)
         statistics, _, _ = calibrated_statistics(source, settings, fitted, progress)
     else:

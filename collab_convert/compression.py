@@ -28,6 +28,7 @@ from .stages import (
     check_plan,
     convert_weights,
     distill_checkpoint,
+    within_positions,
     energy_ranks,
     write_format_config,
 )
@@ -81,6 +82,7 @@ def _stages(source: SourceModel, model: str, options: CompressOptions, progress:
     """Everything after the checks, inside the staging folder (its scratch space holds what a block-at-a-time
     calibration keeps on disk)."""
     metrics, calibration, held_out, fitted = None, None, None, None
+    options = within_positions(source, options)
     if options.calibration is not None:
         fitted, held_out = calibration_texts(options)
         if not source.family.is_rotary:

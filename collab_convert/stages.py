@@ -54,6 +54,16 @@ def check_plan(source: SourceModel, options: CompressOptions, ranks: dict[str, i
     )
 
 
+def within_positions(source: SourceModel, options: CompressOptions) -> CompressOptions:
+    """Calibration texts cut where the model's position embeddings end: a longer cut would index past them."""
+    from .architectures.families import position_limit
+
+    limit = position_limit(source.config)
+    if limit is not None and options.calibration_max_length > limit:
+        return options.model_copy(update={"calibration_max_length": limit})
+    return options
+
+
 def _check_distillation(source: SourceModel, options: CompressOptions) -> None:
     from .integration.fidelity import is_language_model
 

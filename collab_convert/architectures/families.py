@@ -270,6 +270,23 @@ REFUSED: dict[str, str] = {
 }
 
 
+# Learned positions that start after the padding index (RoBERTa's scheme): pad_token_id + 1 of them are never
+# used by real tokens.
+_POSITIONS_AFTER_PADDING = ("roberta", "xlm-roberta", "camembert", "data2vec-text", "mpnet")
+
+
+def position_limit(config: dict[str, Any]) -> int | None:
+    """The most tokens one input may have before the model's position embeddings run out (None: no limit
+    stated). Rotary decoders state a trained length, which is a sensible limit for calibration too."""
+    for key in ("max_position_embeddings", "n_positions"):
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            if config.get("model_type") in _POSITIONS_AFTER_PADDING:
+                value -= int(config.get("pad_token_id") or 0) + 1
+            return max(value, 2)
+    return None
+
+
 def family_for(config: dict[str, Any]) -> Family:
     model_type = config.get("model_type")
     if model_type is not None and not isinstance(model_type, str):

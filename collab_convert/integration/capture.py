@@ -198,6 +198,15 @@ def _tokenizer(folder: Path):
     return load_tokenizer(folder, "calibration")
 
 
+def _within_positions(folder: Path, max_length: int) -> int:
+    """No text longer than the model's position embeddings (a longer one would index past them)."""
+    from ..architectures.families import position_limit
+    from ..io.folders import read_config
+
+    limit = position_limit(read_config(folder))
+    return min(max_length, limit) if limit else max_length
+
+
 def collect_statistics(
     folder: Path,
     family,
@@ -219,7 +228,8 @@ def collect_statistics(
     batches by (batch_tokens)."""
     from .layerwise import plan_blocks
 
-    batches = token_batches(_tokenizer(folder), texts, max_length, token_budget, batch_tokens(width))
+    batches = token_batches(_tokenizer(folder), texts, _within_positions(folder, max_length), token_budget,
+                            batch_tokens(width))
     plan = plan_blocks(folder, prefixes) if scratch is not None else None
     if plan is not None:
         current = _CurrentBatch()
@@ -420,7 +430,8 @@ def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[st
     the records wait there, as collect_statistics does."""
     from .layerwise import plan_blocks
 
-    batches = token_batches(_tokenizer(folder), texts, max_length, token_budget, batch_tokens(width))
+    batches = token_batches(_tokenizer(folder), texts, _within_positions(folder, max_length), token_budget,
+                            batch_tokens(width))
     current = _CurrentBatch()
     observer = _RotaryObserver(family, layers, keep_samples, current)
     plan = plan_blocks(folder, list(layers)) if scratch is not None else None

@@ -32,3 +32,13 @@ def test_relative_position_bert_is_refused():
 def test_missing_model_type_is_refused():
     with pytest.raises(UnsupportedModelError, match="no model_type"):
         family_for(config())
+
+
+def test_inputs_are_cut_where_the_position_embeddings_end():
+    from collab_convert.architectures.families import position_limit
+
+    assert position_limit({"model_type": "bert", "max_position_embeddings": 512}) == 512
+    # RoBERTa's positions start after the padding index: 514 embeddings hold 512 tokens
+    assert position_limit({"model_type": "roberta", "max_position_embeddings": 514, "pad_token_id": 1}) == 512
+    assert position_limit({"model_type": "gpt2", "n_positions": 1024}) == 1024
+    assert position_limit({"model_type": "t5"}) is None  # relative positions: no limit stated

@@ -93,3 +93,33 @@ def test_distillation_needs_a_language_model(tiny_llama, tmp_path):
         compress(str(tmp_path / "encoder"), CompressOptions(rank=8, output=tmp_path / "out", calibration=texts,
                                                             distill_steps=5))
     assert not (tmp_path / "out").exists()
+
+
+def test_the_collaborative_form_of_a_gpt2_is_distilled_too(tiny_llama, tmp_path):
+    # The CP form (shared query, shared key, mixing vectors, content bias) through the same stage.
+    from fixtures.models import build_family, family_case
+
+    _, texts = tiny_llama
+    model = build_family(family_case("gpt2"), tmp_path / "gpt2")
+    with torch.no_grad():  # scores that matter, as above (c_attn holds queries and keys first)
+        for block in model.transformer.h:
+            block.attn.c_attn.weight[:, : 2 * 32].mul_(30)
+    model.save_pretrained(tmp_path / "gpt2")
+    save_tiny_tokenizer(tmp_path / "gpt2")
+    result = compress(str(tmp_path / "gpt2"), CompressOptions(rank=8, output=tmp_path / "out", calibration=texts,
+                                                              refine_steps=10, distill_steps=40))
+    assert result.distillation["kl_after"] < result.distillation["kl_before"]
+    names = set(tensors(tmp_path / "out"))
+    assert all(any(name.endswith(f"attn.{part}") for name in names) for part in ("mixing", "content_bias"))
+
+
+def test_the_command_line_refuses_distillation_without_calibration_in_one_line(tiny_llama, tmp_path):
+    import subprocess
+    import sys
+
+    folder, _ = tiny_llama
+    run = subprocess.run([sys.executable, "-m", "collab_convert", "compress", str(folder), "--key-cache", "0.5",
+                          "--distill-steps", "10", "-o", str(tmp_path / "out")], capture_output=True, text=True)
+    assert run.returncode != 0
+    assert len(run.stderr.strip().splitlines()) == 1 and "--calibration" in run.stderr
+    assert not (tmp_path / "out").exists()
