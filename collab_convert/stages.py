@@ -516,8 +516,9 @@ def distill_checkpoint(source: SourceModel, folder: Path, texts: list[str], opti
     from .io.tensors import TensorReader, overwrite_tensors
 
     progress("distilling", 0, options.distill_steps)
-    tuned, report = distill(source.folder, folder, texts, options.calibration_max_length, options.distill_steps,
-                            options.seed, progress)
+    with reused_heap():  # every step allocates the same activations afresh (cpu.reused_heap)
+        tuned, report = distill(source.folder, folder, texts, options.calibration_max_length, options.distill_steps,
+                                options.seed, progress)
     reader = TensorReader(folder)
     try:
         on_disk = set(reader.names())
