@@ -7,8 +7,8 @@ tensors alone: shared keys, key mixings, cores, shared queries, mixing vectors a
 weight stays as it was. The step for each tensor is a share of its own scale, so models of any scale and
 dtype get the same relative step.
 
-The best state on a held-out tenth of the sequences is kept, judged every CHECK_EVERY steps, and the run stops
-early after PATIENCE checks without a gain. Unlike the rest of a calibrated run, both models are loaded whole.
+The best state on a held-out tenth of the texts (at most HELD_OUT_MAX) is kept, judged every CHECK_EVERY steps,
+and the run stops early after PATIENCE checks without a gain. Unlike the rest of a calibrated run, both models are loaded whole.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def distill(original: Path, result: Path, texts: list[str], max_length: int, ste
             progress: Progress = no_progress) -> tuple[dict[str, torch.Tensor], Distillation]:
     """Tune the collaborative tensors of the checkpoint at `result` against the model at `original`.
 
-    Returns the tuned tensors by checkpoint name (the caller writes them into the checkpoint) and what happened.
+    Returns the best state of the tuned tensors, by parameter name in the loaded model (the caller writes them
+    into the checkpoint), and what happened.
     """
     from transformers import AutoModelForCausalLM
 
