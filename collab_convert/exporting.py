@@ -94,7 +94,7 @@ def _inputs(folder: Path, wrapper):
     built-in sentences, padded; the example is two of them, so batch and length are traced as dynamic."""
     import inspect
 
-    from .architectures.families import position_limit
+    from .architectures.families import within_positions
     from .integration.loading import load_tokenizer
     from .predict import default_probe
 
@@ -105,10 +105,10 @@ def _inputs(folder: Path, wrapper):
     accepted = set(inspect.signature(wrapper.model.forward).parameters)
     names = [name for name in wrapper.input_names if name in accepted]
 
-    limit = position_limit(wrapper.model.config.to_dict()) or 128
+    length = within_positions(wrapper.model.config.to_dict(), 128)
 
     def encode(chosen: list[str]):
-        batch = tokenizer(chosen, padding=True, truncation=True, max_length=min(128, limit), return_tensors="pt")
+        batch = tokenizer(chosen, padding=True, truncation=True, max_length=length, return_tensors="pt")
         return {name: batch[name] for name in names if name in batch}
 
     return encode(texts[:2]), encode(texts), f"{len(texts)} built-in sentences, padded to one batch"

@@ -56,11 +56,11 @@ def check_plan(source: SourceModel, options: CompressOptions, ranks: dict[str, i
 
 def within_positions(source: SourceModel, options: CompressOptions) -> CompressOptions:
     """Calibration texts cut where the model's position embeddings end: a longer cut would index past them."""
-    from .architectures.families import position_limit
+    from .architectures.families import within_positions as cut
 
-    limit = position_limit(source.config)
-    if limit is not None and options.calibration_max_length > limit:
-        return options.model_copy(update={"calibration_max_length": limit})
+    length = cut(source.config, options.calibration_max_length)
+    if length != options.calibration_max_length:
+        return options.model_copy(update={"calibration_max_length": length})
     return options
 
 
@@ -71,7 +71,8 @@ def _check_distillation(source: SourceModel, options: CompressOptions) -> None:
         raise BadInputError("--distill-steps learns from the calibration text: give --calibration FILE too")
     if not is_language_model(source.config.get("architectures")):
         raise BadInputError("--distill-steps matches next-token distributions, so it needs a language model "
-                            f"(config.json's architectures name a ...ForCausalLM), not {source.config.get('architectures')}")
+                            "(config.json's architectures name a ...ForCausalLM), not "
+                            f"{source.config.get('architectures')}")
 
 
 def _plan_layers(source: SourceModel, options: CompressOptions, ranks: dict[str, int] | None) -> list[dict]:

@@ -287,6 +287,13 @@ def position_limit(config: dict[str, Any]) -> int | None:
     return None
 
 
+def within_positions(config: dict[str, Any], max_length: int) -> int:
+    """`max_length` tokens, or fewer where the model's position embeddings end (a longer input would index
+    past them): the one cut every tokenization of text for a model goes through."""
+    limit = position_limit(config)
+    return min(max_length, limit) if limit is not None else max_length
+
+
 def family_for(config: dict[str, Any]) -> Family:
     model_type = config.get("model_type")
     if model_type is not None and not isinstance(model_type, str):

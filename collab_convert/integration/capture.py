@@ -199,12 +199,10 @@ def _tokenizer(folder: Path):
 
 
 def _within_positions(folder: Path, max_length: int) -> int:
-    """No text longer than the model's position embeddings (a longer one would index past them)."""
-    from ..architectures.families import position_limit
+    from ..architectures.families import within_positions
     from ..io.folders import read_config
 
-    limit = position_limit(read_config(folder))
-    return min(max_length, limit) if limit else max_length
+    return within_positions(read_config(folder), max_length)
 
 
 def collect_statistics(

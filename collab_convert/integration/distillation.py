@@ -7,8 +7,9 @@ tensors alone: shared keys, key mixings, cores, shared queries, mixing vectors a
 weight stays as it was. The step for each tensor is a share of its own scale, so models of any scale and
 dtype get the same relative step.
 
-The best state on a held-out tenth of the texts (at most HELD_OUT_MAX) is kept, judged every CHECK_EVERY steps,
-and the run stops early after PATIENCE checks without a gain. Unlike the rest of a calibrated run, both models are loaded whole.
+The best state on a held-out tenth of the texts (at most HELD_OUT_MAX) is kept, judged every CHECK_EVERY
+steps, and the run stops early after PATIENCE checks without a gain. Unlike the rest of a calibrated run, both
+models are loaded whole.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def distill(original: Path, result: Path, texts: list[str], max_length: int, ste
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
-        progress(f"distilling{DETAIL}training KL {float(loss.detach()):.4f}, held-out {before:.4f} -> {best:.4f}", step, steps)
+        shown = f"training KL {float(loss.detach()):.4f}, held-out {before:.4f} -> {best:.4f}"
+        progress(f"distilling{DETAIL}{shown}", step, steps)
         if step % CHECK_EVERY and step != steps:
             continue
         current = held_out_kl()

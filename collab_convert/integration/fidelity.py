@@ -92,7 +92,7 @@ def verify(model: str, against: str, texts: list[str], thresholds: dict[str, flo
     """Load both checkpoints and compare them on `texts`; list every threshold that fails."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    from ..architectures.families import position_limit
+    from ..architectures.families import within_positions
     from ..io.folders import resolve_model
     from .loading import for_measuring, load_tokenizer, register
 
@@ -101,8 +101,7 @@ def verify(model: str, against: str, texts: list[str], thresholds: dict[str, flo
     tokenizer = load_tokenizer(folder, f"verifying {model}")
     config = AutoConfig.from_pretrained(base_folder)
     causal = is_language_model(config.architectures)
-    limit = position_limit(config.to_dict())
-    max_length = min(max_length, limit) if limit else max_length  # no longer than the positions the model has
+    max_length = within_positions(config.to_dict(), max_length)
     base = for_measuring(AutoModel.from_pretrained(base_folder))
     compressed = for_measuring(AutoModel.from_pretrained(folder))
     cos = cosine_stats(

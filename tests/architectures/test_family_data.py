@@ -42,3 +42,9 @@ def test_inputs_are_cut_where_the_position_embeddings_end():
     assert position_limit({"model_type": "roberta", "max_position_embeddings": 514, "pad_token_id": 1}) == 512
     assert position_limit({"model_type": "gpt2", "n_positions": 1024}) == 1024
     assert position_limit({"model_type": "t5"}) is None  # relative positions: no limit stated
+
+    from collab_convert.architectures.families import within_positions
+
+    assert within_positions({"model_type": "bert", "max_position_embeddings": 64}, 128) == 64
+    assert within_positions({"model_type": "bert", "max_position_embeddings": 512}, 128) == 128
+    assert within_positions({"model_type": "t5"}, 128) == 128
