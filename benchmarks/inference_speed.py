@@ -6,8 +6,8 @@
 - ONNX: the same encoders exported (`collab-convert export`) and run in onnxruntime, against the original's
   export.
 - Decoder: an OPT-125m-shaped model (12 layers, D=768, 12 heads, random weights: speed does not depend on the
-  values), a 2048-token prompt, then one greedy decode step with the KV cache, at rank D/2 = 384; plus the
-  bytes of the cache after the prompt.
+  values), a 2048-token prompt, then one greedy decode step with the KV cache, at rank D/2 = 384 in the CP form
+  and in the shared-key form (--form shared-key --key-cache 0.5); plus the bytes of the cache after the prompt.
 
 The models are timed interleaved (A B C A B C ...) in one process and the medians compared, so machine noise
 hits every model alike. Ratios are compressed / original: below 1 is faster. CPU threads: torch's default.
@@ -69,8 +69,11 @@ def decoder(scratch: Path, repeats: int, prompt_length: int) -> None:
 
     opt_shaped(scratch / "opt")
     compress(str(scratch / "opt"), CompressOptions(rank=384, output=scratch / "opt-384"))
+    # the shared-key form at the same key budget: per-head queries kept, R numbers per token cached, no content bias
+    compress(str(scratch / "opt"), CompressOptions(form="shared-key", key_cache=0.5, output=scratch / "opt-key-384"))
     models = {"original": AutoModelForCausalLM.from_pretrained(scratch / "opt").eval(),
-              "rank 384": AutoModelForCausalLM.from_pretrained(scratch / "opt-384").eval()}
+              "rank 384": AutoModelForCausalLM.from_pretrained(scratch / "opt-384").eval(),
+              "shared key 384": AutoModelForCausalLM.from_pretrained(scratch / "opt-key-384").eval()}
     prompt = torch.randint(3, 50000, (1, prompt_length), generator=torch.Generator().manual_seed(0))
     for model in models.values():
         model.generation_config.pad_token_id = model.config.pad_token_id
@@ -88,7 +91,7 @@ def decoder(scratch: Path, repeats: int, prompt_length: int) -> None:
     medians = interleaved({name: (lambda n=name: step(n)) for name in models}, repeats)
     print(f"Decoder: OPT-125m-shaped, {prompt_length}-token prompt, one greedy decode step with the KV cache")
     for name, seconds in medians.items():
-        print(f"  {name:10s} {seconds * 1000:8.1f} ms   {seconds / medians['original']:.3f}x   "
+        print(f"  {name:14s} {seconds * 1000:8.1f} ms   {seconds / medians['original']:.3f}x   "
               f"cache {sizes[name] / 2**20:7.1f} MiB   {sizes[name] / sizes['original']:.3f}x")
 
 

@@ -23,10 +23,10 @@ def analyze(model: str, ranks: list[int] | None = None, progress: Progress = no_
     measured on held-out lines; with a target cosine, the smallest rank that reaches it."""
     options = options or AnalyzeOptions(ranks=ranks)
     progress("opening the model", 0, 1)
-    source = open_model(model)
+    source = open_model(model, options.form)
     progress("opening the model", 1, 1)
     try:
-        if source.family.is_rotary:
+        if source.family.takes_shared_key:
             return _analyze_rotary(source, model, options, progress)
         wanted = options.ranks or candidate_ranks(max((layer.shape for layer in source.layers), key=lambda s: s.key_dim))
         for layer in source.layers:

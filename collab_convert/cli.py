@@ -219,21 +219,23 @@ def _print_analysis(result) -> None:
 
 
 def _rotary_spread(result, labels) -> Table:
-    table = _table(f"{result.model} ({result.family}, rotary): shared key numbers per token holding 90/95/99% of "
-                   "the score energy", "layer", "heads x d (key heads)", "shared key",
-                   "strongest frequencies (#0 fastest)")
+    rotary = any(layer.frequency_spectra for layer in result.layers)  # none: absolute positions, nothing rotates
+    columns = ["layer", "heads x d (key heads)", "shared key"] + (["strongest frequencies (#0 fastest)"] if rotary else [])
+    table = _table(f"{result.model} ({result.family}, {'rotary' if rotary else 'absolute positions'}): shared key "
+                   "numbers per token holding 90/95/99% of the score energy", *columns)
     for layer in result.layers:
         strength = [sum(row) for row in layer.frequency_spectra]
         top = sorted(range(len(strength)), key=lambda j: -strength[j])[:3]
-        table.add_row(labels[layer.name], f"{layer.num_heads} x {layer.head_dim} ({layer.kv_heads})",
-                      "/".join(str(v) for v in layer.energy_ranks["shared_key"].values()),
-                      ", ".join(f"#{j} {100 * strength[j]:.0f}%" for j in top))
+        row = [labels[layer.name], f"{layer.num_heads} x {layer.head_dim} ({layer.kv_heads})",
+               "/".join(str(v) for v in layer.energy_ranks["shared_key"].values())]
+        table.add_row(*row, *([", ".join(f"#{j} {100 * strength[j]:.0f}%" for j in top)] if rotary else []))
     return table
 
 
 def _rotary_advice(result) -> str:
+    spread = "layers and RoPE frequencies" if any(layer.frequency_spectra for layer in result.layers) else "layers"
     return ("Rank = the shared key's numbers per token and layer, on average (the key cache); the budget is spread "
-            "over layers and RoPE frequencies as compress spreads it. error: share of score energy lost (keys "
+            f"over {spread} as compress spreads it. error: share of score energy lost (keys "
             "weighted by the queries that read them), mean over layers.\n"
             f"Next: collab-convert compress {result.model} --key-cache 0.5 --calibration FILE -o OUT")
 
@@ -321,7 +323,7 @@ def _print_plan(model: str, options: CompressOptions, as_json: bool) -> None:
         typer.echo(json.dumps(checked.to_dict()))
         return
     size = f"rank {options.rank}"
-    if options.key_cache is not None:  # rotary decoders: the plan's rank is the shared key's average width
+    if options.key_cache is not None:  # the shared-key form: the plan's rank is the shared key's average width
         width = checked.layers[0]["rank"]
         size = f"{options.key_cache:.0%} of the key cache ({width} numbers per token and layer on average)"
     stdout.print(
@@ -335,7 +337,7 @@ def _print_compression(result, rank) -> None:
     from .results import layer_labels
 
     labels = layer_labels([layer.name for layer in result.layers])
-    kind = "auto ranks" if rank == "auto" else f"rank {rank}" if rank is not None else "shared rotary key"
+    kind = "auto ranks" if rank == "auto" else f"rank {rank}" if rank is not None else "shared key"
     table = _table(f"Collaborative attention ({kind}): {result.model}",
                    "layer", "rank", "relative error", "per-head truncation", "Q/K params before", "after")
     for layer in result.layers:

@@ -36,7 +36,7 @@ from .stages import (
 
 def plan(model: str, options: CompressOptions) -> CompressPlan:
     """Check the model, the ranks and the output location; decompose nothing, write nothing."""
-    source = open_model(model)
+    source = open_model(model, options.requested_form)
     try:
         return _check(source, options)
     finally:
@@ -44,7 +44,7 @@ def plan(model: str, options: CompressOptions) -> CompressPlan:
 
 
 def _check(source: SourceModel, options: CompressOptions, ranks: dict[str, int] | None = None) -> CompressPlan:
-    if source.family.is_rotary:
+    if source.family.takes_shared_key:
         from .rotary_stages import layer_width, plan_layers
 
         return check_plan(source, options, layers=plan_layers(source, layer_width(source, options)))
@@ -66,7 +66,7 @@ def _compress(model: str, options: CompressOptions, progress: Progress, threads:
     progress = StageClock(progress)  # the report's seconds per stage are the stages the progress showed
     torch.manual_seed(options.seed)
     progress("opening the model", 0, 1)
-    source = open_model(model)
+    source = open_model(model, options.requested_form)
     progress("opening the model", 1, 1)
     try:
         output = Path(_check(source, options).output)  # refuse bad input before the costly calibration
@@ -85,10 +85,10 @@ def _stages(source: SourceModel, model: str, options: CompressOptions, progress:
     options = within_positions(source, options)
     if options.calibration is not None:
         fitted, held_out = calibration_texts(options)
-        if not source.family.is_rotary:
+        if not source.family.takes_shared_key:
             metrics, calibration = calibrate(source, options, fitted, progress, scratch=staged.scratch)
     ranks = None
-    if source.family.is_rotary:
+    if source.family.takes_shared_key:
         convert, write_record, calibration, rank_choice = _rotary(source, options, fitted, progress, staged.scratch)
         estimator = _estimator(source, options, None, held_out)
     else:
@@ -166,7 +166,8 @@ def _rotary(source: SourceModel, options: CompressOptions, texts: list[str] | No
     ranks = allocate_ranks(source, statistics, width)
     choice = {"mode": "key-cache budget", "numbers_per_token_and_layer": width,
               "share_of_key_cache": round(width / max(layer.full_rank for layer in source.layers), 4),
-              "spread": "over layers and rotary frequencies, where the most score energy stays"}
+              "spread": f"over layers{'' if source.family.absolute_positions else ' and rotary frequencies'}, "
+                        "where the most score energy stays"}
 
     def convert(folder: Path, finished):
         return convert_rotary_weights(source, options, folder, progress, ranks, statistics, calibrations, finished)

@@ -19,9 +19,19 @@ DEFAULT_CALIBRATION_TOKENS = 131072  # 512 texts of 256 tokens: second moments o
 
 
 class _ModelInputs(BaseModel):
-    """Options about the real inputs a job may run the model on: shared by analyze and compress."""
+    """Options shared by analyze and compress: the form to compress into, and the real inputs a job may run the
+    model on."""
 
     model_config = ConfigDict(extra="forbid")
+
+    # architectures/families.py: rotary decoders take the shared-key form only; GPT-2, OPT and GPTBigCode offer it
+    form: Literal["auto", "collaborative", "shared-key"] = Field(
+        "auto",
+        description="collaborative: heads share one query and one key, each with a mixing vector (fewest "
+        "parameters). shared-key: heads keep their queries and share one key (decoders: the most fidelity per "
+        "key-cache number; rotary decoders take only this form; GPT-2, OPT and GPTBigCode offer both). auto: "
+        "shared-key for rotary decoders and with --key-cache, else collaborative.",
+    )
 
     calibration: Path | None = Field(
         None,
@@ -50,14 +60,14 @@ class CompressOptions(_ModelInputs):
     rank: int | Literal["auto"] | None = Field(
         None,
         description="Shared query/key dimension R for every layer, or 'auto': the smallest rank reaching "
-        "--target-cosine. Rotary decoders: the shared key's numbers per token and layer, on average.",
+        "--target-cosine. The shared-key form: the shared key's numbers per token and layer, on average.",
         json_schema_extra={"flags": ["--rank", "-r"], "cli_type": str},
     )
-    # Rotary decoders: the key cache as a share of the original's, spread over layers and frequencies.
+    # The shared-key form: the key cache as a share of the original's, spread over layers (and frequencies).
     key_cache: float | None = Field(
         None, gt=0, le=1,
-        description="Rotary decoders: keep this share of the key cache (e.g. 0.5), spread over layers and "
-        "frequencies where it keeps the most score energy. Instead of --rank.",
+        description="Decoders in the shared-key form: keep this share of the key cache (e.g. 0.5), spread over "
+        "layers (and rotary frequencies) where it keeps the most score energy. Instead of --rank.",
     )
     energy: float | None = Field(
         None, gt=0, le=1,
@@ -109,6 +119,11 @@ class CompressOptions(_ModelInputs):
     )
     resume: bool = Field(False, description="Continue a run that was killed (SIGKILL, a crash) writing OUTPUT: "
                          "layers it finished are not fitted again; the result is byte-identical.")
+
+    @property
+    def requested_form(self) -> str:
+        """The form asked for: --key-cache alone asks for the shared-key form, whose cache it sizes."""
+        return "shared-key" if self.form == "auto" and self.key_cache is not None else self.form
 
     @field_validator("device")
     @classmethod

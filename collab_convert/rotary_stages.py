@@ -66,13 +66,15 @@ def layer_width(source: SourceModel, options: CompressOptions) -> int:
         width = options.rank
     else:
         raise BadInputError(
-            f"{source.family.name} is a rotary decoder: give --key-cache (a share of the key cache, e.g. 0.5) or "
+            f"{source.family.name} takes the shared-key form: give --key-cache (a share of the key cache, e.g. 0.5) or "
             f"--rank (the shared key's numbers per token and layer, at most {full})"
         )
     for layer in source.layers:
         layer.check_rank(width)
-    if width < 2:
-        raise BadInputError(f"a shared rotary key needs at least 2 numbers per token (one complex dimension), got {width}")
+    least = 1 if source.family.absolute_positions else 2
+    if width < least:
+        raise BadInputError(f"a shared rotary key needs at least 2 numbers per token (one complex dimension), "
+                            f"got {width}")
     return width
 
 
@@ -189,7 +191,8 @@ def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: 
         "examples": batches.texts,
         "tokens": batches.tokens,
         "max_length": options.calibration_max_length,
-        "objective": "score energy on the calibration tokens: key second moments per frequency, weighted by "
+        "objective": "score energy on the calibration tokens: key second moments"
+                     + ("" if source.family.absolute_positions else " per frequency") + ", weighted by "
                      "the energy of the queries that read them",
         "refinement": refinement,
     }

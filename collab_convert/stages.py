@@ -77,7 +77,7 @@ def _check_distillation(source: SourceModel, options: CompressOptions) -> None:
 
 def _plan_layers(source: SourceModel, options: CompressOptions, ranks: dict[str, int] | None) -> list[dict]:
     if options.key_cache is not None:
-        raise BadInputError("--key-cache is for rotary decoders, whose cache holds the shared key; give --rank")
+        raise BadInputError("--key-cache sizes the shared-key form, which --form collaborative is not; give --rank")
     if options.rank is None:
         raise BadInputError("give --rank R (the shared query/key dimension), or --rank auto")
     layers = []

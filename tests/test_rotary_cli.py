@@ -67,9 +67,9 @@ def test_bad_budgets_are_refused_in_one_line(tiny_llama, tmp_path, capsys, argum
     assert not (tmp_path / "out").exists()
 
 
-def test_key_cache_is_refused_for_models_without_rotary_keys(tiny_bert, tmp_path, capsys):
+def test_key_cache_is_refused_for_models_without_a_shared_key_form(tiny_bert, tmp_path, capsys):
     code, _, err = run(capsys, "compress", tiny_bert, "--key-cache", "0.5", "-o", tmp_path / "out")
-    assert_refused(code, err, "rotary decoders")
+    assert_refused(code, err, "not offered for model_type 'bert'")
 
 
 def test_a_file_that_is_not_gguf_is_refused(tmp_path, capsys):

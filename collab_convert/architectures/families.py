@@ -46,10 +46,13 @@ class Family:
     # The relative position bias a module adds to its scores, read from its bound forward arguments during
     # calibration (None: it adds none). Refinement matches softmax(scaling * q.k + position bias) plus masks.
     position_bias: Callable[[Any, dict[str, Any]], Any] | None = None
+    # The shared-key form of a decoder with absolute positions (GPT-2, OPT): nothing rotates, so every key
+    # dimension is a pass-through one and the shared key is one real subspace of all key heads.
+    absolute_positions: bool = False
 
     @property
-    def is_rotary(self) -> bool:
-        """Rotary families take the shared rotary key (Tucker form), not the CP form."""
+    def takes_shared_key(self) -> bool:
+        """Families in the shared-key (Tucker) form: per-head queries kept, one shared key, not the CP form."""
         return isinstance(self.layout, RotaryProjections)
 
     def site_of(self, module_name: str) -> Site | None:
@@ -250,6 +253,43 @@ ROTARY_FAMILIES: tuple[Family, ...] = (
 )
 FAMILIES = FAMILIES + ROTARY_FAMILIES
 
+SHARED_KEY = "shared-key"
+# Absolute-position decoders in the shared-key form (--form shared-key): each head keeps its query (bias and
+# all, so no content bias is needed), one shared key of R numbers per token replaces the key heads. At equal
+# cache it keeps far more of the scores than the CP form; the CP form saves more parameters. A family here has
+# the same model_types as its CP entry above; family_for picks one by the form asked for.
+SHARED_KEY_FAMILIES: tuple[Family, ...] = (
+    Family(
+        name="gpt2-shared-key",
+        model_types=("gpt2",),
+        sites=(Site(r"(^|\.)h\.\d+\.attn$", "n_head", causal=True),),
+        layout=RotaryProjections(fused="c_attn", conv1d=True, output="c_proj", output_dropout="resid_dropout",
+                                 dropout="attn_dropout", input_norm="ln_1"),
+        requires=next(f for f in FAMILIES if f.name == "gpt2").requires,
+        absolute_positions=True,
+    ),
+    Family(
+        name="gpt_bigcode-shared-key",
+        model_types=("gpt_bigcode",),
+        sites=(Site(r"(^|\.)h\.\d+\.attn$", "n_head", causal=True),),
+        layout=RotaryProjections(fused="c_attn", output="c_proj", output_dropout="resid_dropout",
+                                 dropout="attn_dropout", input_norm="ln_1"),
+        kv_heads=lambda config: 1,
+        requires=next(f for f in FAMILIES if f.name == "gpt_bigcode").requires,
+        absolute_positions=True,
+    ),
+    Family(
+        name="opt-shared-key",
+        model_types=("opt",),
+        sites=(Site(r"(^|\.)decoder\.layers\.\d+\.self_attn$", causal=True),),
+        layout=RotaryProjections(output="out_proj", dropout="dropout", input_norm="self_attn_layer_norm"),
+        # A post-norm OPT (opt-350m) has no norm in front of its attention to tell the input scales
+        requires=(("do_layer_norm_before", (None, True), "the shared-key form reads the scale of the norm in front "
+                   "of attention, which a post-norm OPT does not have; its default (CP) form works"),),
+        absolute_positions=True,
+    ),
+)
+
 # Families the collaborative form cannot represent exactly, and why. Checked before FAMILIES.
 _OTHER_ROTARY = (
     "its rotary position embeddings are laid out or applied differently from the rotate_half layout the shared "
@@ -294,7 +334,31 @@ def within_positions(config: dict[str, Any], max_length: int) -> int:
     return min(max_length, limit) if limit is not None else max_length
 
 
-def family_for(config: dict[str, Any]) -> Family:
+def family_for(config: dict[str, Any], form: str = "auto") -> Family:
+    """The family of a config, in the form asked for: "collaborative" (CP), "shared-key" (per-head queries, one
+    shared key; the only form of rotary decoders) or "auto" (each family's own)."""
+    family = _family_of(config)
+    if form == SHARED_KEY and not family.takes_shared_key:
+        shared = next((f for f in SHARED_KEY_FAMILIES if config.get("model_type") in f.model_types), None)
+        if shared is None:
+            names = sorted({t for f in SHARED_KEY_FAMILIES + ROTARY_FAMILIES for t in f.model_types})
+            raise UnsupportedModelError(f"the shared-key form (--form shared-key, --key-cache) is not offered for "
+                                        f"model_type '{config.get('model_type')}' (offered for: {', '.join(names)})")
+        _check_requirements(shared, config)
+        return shared
+    if form == "collaborative" and family.takes_shared_key:
+        raise UnsupportedModelError(f"{family.name} is a rotary decoder: it takes the shared-key form only (RoPE "
+                                    "does not commute with the CP form's shared query); drop --form collaborative")
+    return family
+
+
+def _check_requirements(family: Family, config: dict[str, Any]) -> None:
+    for key, allowed, reason in family.requires:
+        if config.get(key) not in allowed:
+            raise UnsupportedModelError(f"{key}={config.get(key)!r} is not supported: {reason}")
+
+
+def _family_of(config: dict[str, Any]) -> Family:
     model_type = config.get("model_type")
     if model_type is not None and not isinstance(model_type, str):
         raise UnsupportedModelError(f"config.json's model_type {model_type!r} is not a name")
@@ -304,9 +368,7 @@ def family_for(config: dict[str, Any]) -> Family:
         raise UnsupportedModelError(f"model_type '{model_type}' is not supported: {REFUSED[model_type]}")
     for family in FAMILIES:
         if model_type in family.model_types:
-            for key, allowed, reason in family.requires:
-                if config.get(key) not in allowed:
-                    raise UnsupportedModelError(f"{key}={config.get(key)!r} is not supported: {reason}")
+            _check_requirements(family, config)
             return family
     raise UnsupportedModelError(
         f"model_type '{model_type}' is not supported (supported: {', '.join(supported_model_types())})"
@@ -318,7 +380,8 @@ def supported_model_types() -> list[str]:
 
 
 def family_named(name: str) -> Family:
-    for family in FAMILIES:
+    for family in FAMILIES + SHARED_KEY_FAMILIES:
         if family.name == name:
             return family
-    raise UnsupportedModelError(f"unknown collaborative family '{name}' (known: {', '.join(f.name for f in FAMILIES)})")
+    known = ", ".join(f.name for f in FAMILIES + SHARED_KEY_FAMILIES)
+    raise UnsupportedModelError(f"unknown collaborative family '{name}' (known: {known})")

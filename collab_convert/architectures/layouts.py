@@ -37,6 +37,7 @@ class AttentionLayer:
     kv_heads: int  # key/value heads: fewer than the query heads under grouped-query attention
     key_input_dim: int  # width of the key-side inputs (the query side's for self-attention)
     causal: bool = False
+    shared_key: bool = False  # the shared-key form: per-head queries kept, one key shared by all heads
     rotary_dim: int = 0  # rotary families: RoPE's dimensions per head (the shared key is per frequency)
 
     @property
@@ -47,7 +48,7 @@ class AttentionLayer:
     def full_rank(self) -> int:
         """Where the collaborative form is exact: every head's query/key dimension, or for the rotary shared
         key every key head's numbers (the per-head queries stay)."""
-        return self.key_rows if self.rotary_dim else self.shape.key_dim
+        return self.key_rows if self.shared_key else self.shape.key_dim
 
     def stores_content_bias(self, calibrated: bool) -> bool:
         """Whether the collaborative layer keeps a content bias: it comes from the query bias, and calibration
@@ -58,8 +59,8 @@ class AttentionLayer:
     def check_rank(self, rank: int) -> None:
         """The one refusal of a rank above the layer's full rank, where the collaborative form is exact."""
         if rank > self.full_rank:
-            heads = self.kv_heads if self.rotary_dim else self.shape.num_heads
-            kind = " key" if self.rotary_dim else ""
+            heads = self.kv_heads if self.shared_key else self.shape.num_heads
+            kind = " key" if self.shared_key else ""
             raise BadInputError(
                 f"rank {rank} exceeds the full rank of {self.prefix} "
                 f"({heads}{kind} heads x {self.shape.head_dim} = {self.full_rank})"

@@ -1,6 +1,8 @@
-"""How rotary families lay out queries, keys and values: the ONE reader of that layout, checkpoint and module side.
+"""How shared-key families lay out queries, keys and values: the ONE reader of that layout, checkpoint and module
+side. Rotary decoders, and absolute-position decoders in the shared-key form (GPT-2, OPT, GPTBigCode: nothing
+rotates, every key dimension is pass-through).
 
-Three layouts cover them: separate q/k/v projections (Llama, Mistral, Qwen, Gemma, OLMo-2, Phi), one fused
+Three layouts cover the rotary ones: separate q/k/v projections (Llama, Mistral, Qwen, Gemma, OLMo-2, Phi), one fused
 [q | k | v] projection (Phi-3), and one fused projection interleaved per head [q_h | k_h | v_h] (GPT-NeoX). QK-norm
 families normalise each head's query and key (Qwen3, Gemma3; Phi's optional LayerNorm) or the whole projection
 (OLMo-2) before RoPE: their key projection and norm stay, and the shared key mixes the normalised keys.
@@ -40,6 +42,9 @@ class RotaryProjections:
     output: str = "o_proj"
     fused: str | None = None  # one projection [queries | keys | values]
     interleaved: bool = False  # the fused projection holds [q_h | k_h | v_h] head after head (GPT-NeoX)
+    conv1d: bool = False  # the fused projection is GPT-2's Conv1D: weight (in, out), the transpose of nn.Linear's
+    output_dropout: str | None = None  # a dropout module after the output projection (GPT-2's resid_dropout)
+    dropout: str = "attention_dropout"  # the attribute with the attention-probability dropout (float or module)
     query_norm: str | None = None  # module attributes of QK-norm, where the family has it
     key_norm: str | None = None
     norm_over_heads: bool = False  # the norm spans the whole projection, not one head (OLMo-2)
@@ -77,6 +82,7 @@ class RotaryProjections:
                            has_query_bias=query_bias or any(n.endswith(".bias") for n in replaced))
         name, bias = f"{prefix}.{self.fused}.weight", f"{prefix}.{self.fused}.bias"
         shape = reader.spec(name).shape
+        shape = tuple(reversed(shape)) if self.conv1d else shape
         kv = heads.num_heads if self.interleaved else heads.kv_heads
         if len(shape) != 2 or shape[0] % (heads.num_heads + 2 * kv):
             raise _split_error(name, shape, heads)
@@ -96,6 +102,7 @@ class RotaryProjections:
             return RotaryWeights(finite(reader, f"{p}.{self.query}.weight"), optional(f"{p}.{self.query}.bias"),
                                  finite(reader, f"{p}.{self.key}.weight"), optional(f"{p}.{self.key}.bias"))
         weight = finite(reader, layer.anchor)
+        weight = weight.T.contiguous() if self.conv1d else weight
         bias_name = f"{layer.prefix}.{self.fused}.bias"
         bias = finite(reader, bias_name) if bias_name in reader else None
         parts = [self._split(weight, layer)] + ([self._split(bias, layer)] if bias is not None else [])
@@ -190,7 +197,7 @@ class RotaryProjections:
                            key_norm: bool) -> None:
         """Remove what the shared key replaces; add the shared key (or mixing) and the query/value parts."""
         source = getattr(module, self.fused or self.key)
-        d_in, bias = source.in_features, source.bias is not None
+        d_in, bias = source.weight.shape[0 if self.conv1d else 1], source.bias is not None
         factory = {"device": source.weight.device, "dtype": source.weight.dtype}
         if self.fused:
             kv = heads.num_heads if self.interleaved else heads.kv_heads
@@ -204,8 +211,19 @@ class RotaryProjections:
                 delattr(module, self.key)
             module.shared_key = nn.Linear(d_in, width, bias=bias, **factory)
 
-    def output_projection(self, module: nn.Module) -> nn.Module:
-        return getattr(module, self.output)
+    def output_projection(self, module: nn.Module, attended: torch.Tensor) -> torch.Tensor:
+        """The module's output projection (and the dropout after it, where the family has one)."""
+        output = getattr(module, self.output)(attended)
+        return getattr(module, self.output_dropout)(output) if self.output_dropout else output
+
+    def output_weight(self, module: nn.Module) -> torch.Tensor:
+        """The output projection's weight in nn.Linear layout (D, N_h d)."""
+        weight = getattr(module, self.output).weight
+        return weight.T if self.conv1d else weight
+
+    def dropout_probability(self, module: nn.Module) -> float:
+        dropout = getattr(module, self.dropout, 0.0)
+        return float(dropout.p if isinstance(dropout, nn.Module) else dropout or 0.0)
 
 
 def rotary_dim_of(config: dict, head_dim: int) -> int:

@@ -37,12 +37,13 @@ class SourceModel:
         self.reader.close()
 
 
-def open_model(model: str) -> SourceModel:
+def open_model(model: str, form: str = "auto") -> SourceModel:
+    """Open a checkpoint for the form asked for ("auto", "collaborative" or "shared-key", families.family_for)."""
     folder = resolve_model(model)
     config = read_config(folder)
     if is_collaborative(config):
         raise BadInputError(f"{model} is already collaborative; compress the original model instead")
-    family = family_for(config)
+    family = family_for(config, form)
     reader = TensorReader(folder, rename=model_renamer(folder, config))
     layers = find_attention_layers(reader, family, config)
     if not layers:
@@ -62,9 +63,10 @@ def find_attention_layers(reader: TensorReader, family: Family, config: dict[str
         if site is None:
             continue
         heads = family.heads(config, site)
-        if family.is_rotary:
+        if family.takes_shared_key:
             layer = family.layout.find(reader, prefix, heads, site.causal, family.layout.keeps_key_projection(config))
-            layer.rotary_dim = rotary_dim_of(config, layer.shape.head_dim)
+            layer.shared_key = True
+            layer.rotary_dim = 0 if family.absolute_positions else rotary_dim_of(config, layer.shape.head_dim)
         else:
             layer = family.layout.find(reader, prefix, heads, site.causal)
         layers.append(layer)

@@ -155,7 +155,8 @@ class KeySpectrum:
 
 
 def key_spectrum(statistics: KeyStatistics, geometry: RotaryGeometry) -> KeySpectrum:
-    losses = torch.stack([frequency_subspace(statistics, j, 0).losses for j in range(geometry.frequencies)])
+    losses = [frequency_subspace(statistics, j, 0).losses for j in range(geometry.frequencies)]
+    losses = torch.stack(losses) if losses else torch.zeros(0, geometry.kv_heads, dtype=torch.float64)
     passes = pass_subspace(statistics, 0).losses if geometry.pass_dim else torch.zeros(0, dtype=torch.float64)
     return KeySpectrum(losses.float(), passes.float())
 
@@ -182,17 +183,22 @@ def allocate(spectra: list[KeySpectrum], budget: int) -> list[KeyRanks]:
 
     Items are shared directions; a complex one costs 2 numbers, a real one 1. Losses fall within each
     frequency, so taking items by loss per number picks a prefix of every frequency. Every layer keeps at least
-    its strongest complex direction, so no layer's scores collapse to uniform attention."""
+    its strongest complex direction (with no rotated dimension, as under absolute positions: its strongest real
+    one), so no layer's scores collapse to uniform attention."""
     items = []  # (loss per number, layer, frequency or -1 for pass-through, cost)
     counts = [[0] * s.frequency_losses.shape[0] for s in spectra]
     passes = [0] * len(spectra)
     spent = 0
     for layer, spectrum in enumerate(spectra):
-        strongest = int(spectrum.frequency_losses[:, 0].argmax())
-        counts[layer][strongest], spent = 1, spent + 2
+        rotated = spectrum.frequency_losses.shape[0] > 0
+        strongest = int(spectrum.frequency_losses[:, 0].argmax()) if rotated else None
+        if rotated:
+            counts[layer][strongest], spent = 1, spent + 2
+        else:
+            passes[layer], spent = 1, spent + 1
         for j, losses in enumerate(spectrum.frequency_losses.tolist()):
             items += [(loss / 2, layer, j, 2) for loss in losses[1 if j == strongest else 0:]]
-        items += [(loss, layer, -1, 1) for loss in spectrum.pass_losses.tolist()]
+        items += [(loss, layer, -1, 1) for loss in spectrum.pass_losses.tolist()[0 if rotated else 1:]]
     items.sort(key=lambda item: (-item[0], item[1], item[2]))  # ties broken by position: deterministic
     for _, layer, frequency, cost in items:
         if spent + cost > budget:
@@ -223,7 +229,8 @@ class RotaryFactors:
 
 def slot_frequencies(ranks: KeyRanks) -> torch.Tensor:
     """The rotary frequency of every complex slot of the shared key."""
-    return torch.repeat_interleave(torch.arange(len(ranks.frequency_ranks)), torch.tensor(ranks.frequency_ranks))
+    counts = torch.tensor(ranks.frequency_ranks, dtype=torch.long)  # long even when empty (absolute positions)
+    return torch.repeat_interleave(torch.arange(len(ranks.frequency_ranks)), counts)
 
 
 def fit_shared_key(statistics: KeyStatistics, geometry: RotaryGeometry, ranks: KeyRanks) -> RotaryFactors:

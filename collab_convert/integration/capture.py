@@ -400,9 +400,9 @@ class _RotaryObserver:
                 self.tokens[prefix] += query.shape[0]
                 if len(record.samples) < self.keep:
                     record.samples.append(RotarySample(query.half().clone(), key.half().clone(), value.half().clone()))
-            cos, sin = kwargs["position_embeddings"]
+            cos, sin = _rotary_tables(kwargs, hidden)
             if record.setting is None or record.setting.cos.shape[0] < cos.shape[1]:
-                output = layout.output_projection(module).weight
+                output = layout.output_weight(module)
                 record.setting = AttentionSetting(float(module.scaling), cos[0].float().clone(), sin[0].float().clone(),
                                                   getattr(module, "attn_logit_softcapping", None),
                                                   output.detach().float().clone())
@@ -415,6 +415,16 @@ class _RotaryObserver:
         record = self.found.pop(prefix)
         record.statistics = record.statistics.scaled(1 / self.tokens[prefix])
         return record
+
+
+def _rotary_tables(kwargs: dict, hidden: torch.Tensor):
+    """RoPE's cos/sin tables as the module receives them; empty ones (no rotated dimension) for a decoder with
+    absolute positions, whose shared key is all pass-through."""
+    tables = kwargs.get("position_embeddings")
+    if tables is not None:
+        return tables
+    empty = hidden.new_ones(1, hidden.shape[1], 0)
+    return empty, empty
 
 
 def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[str], max_length: int = 128,

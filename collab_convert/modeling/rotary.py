@@ -29,7 +29,7 @@ class RotarySharedKeyMixin:
     def slot_frequencies(self, device: torch.device) -> torch.Tensor:
         cached = self._slot_frequencies.get(device)
         if cached is None:
-            ranks = torch.tensor(self.frequency_ranks)
+            ranks = torch.tensor(self.frequency_ranks, dtype=torch.long)  # long even when empty (absolute)
             cached = torch.repeat_interleave(torch.arange(len(self.frequency_ranks)), ranks).to(device)
             self._slot_frequencies[device] = cached
         return cached
@@ -55,23 +55,34 @@ class RotarySharedKeyMixin:
                                   self.rotary_dim, self.rotary_dim + pass_core.shape[1])
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
-        cache = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None) or kwargs.pop("layer_past", None)
+        cache = _cache_argument(kwargs)
         layout, heads = self.rotary_layout, self.rotary_heads
         batch, length = hidden_states.shape[:2]
         query = layout.queries(self, hidden_states, heads.num_heads).transpose(1, 2)  # (b, N_h, n, d)
         value = layout.values(self, hidden_states, heads.kv_heads).transpose(1, 2)  # (b, G, n, d)
         key = layout.shared_key(self, hidden_states, heads.kv_heads).unsqueeze(1)  # (b, 1, n, 2W + P)
-        cos, sin = (table.unsqueeze(1) for table in position_embeddings)
-        slots = self.slot_frequencies(hidden_states.device)
-        slot_cos, slot_sin = cos[..., slots], sin[..., slots]
-        # each head's query into the shared basis first, then rotated there like the key (query_basis_matrix)
-        query = rotate_slots(torch.matmul(query, self.query_basis()), slot_cos, slot_sin)
-        key = rotate_slots(key, slot_cos, slot_sin)
+        query = torch.matmul(query, self.query_basis())  # each head's query into the shared basis
+        if position_embeddings is not None:  # rotated there like the key (query_basis_matrix); absolute: nothing to do
+            cos, sin = (table.unsqueeze(1) for table in position_embeddings)
+            slots = self.slot_frequencies(hidden_states.device)
+            slot_cos, slot_sin = cos[..., slots], sin[..., slots]
+            query, key = rotate_slots(query, slot_cos, slot_sin), rotate_slots(key, slot_cos, slot_sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-        output, weights = shared_key_attention(self, query, key, value, attention_mask)
+        output, weights = shared_key_attention(self, query, key, value, attention_mask,
+                                               layout.dropout_probability(self))
         output = output.reshape(batch, length, -1).contiguous()
-        return layout.output_projection(self)(output), weights
+        return layout.output_projection(self, output), weights
+
+
+def _cache_argument(kwargs: dict):
+    """The KV cache under any of the names the families pass it by (the self-attention part of an
+    encoder-decoder cache, as GPT-2's blocks may hand one); the others leave kwargs."""
+    cache = None
+    for name in ("cache", "past_key_values", "layer_past"):
+        found = kwargs.pop(name, None)
+        cache = found if cache is None else cache
+    return getattr(cache, "self_attention_cache", cache)
 
 
 def _additive(mask: torch.Tensor | None, module, queries: int, keys: int, dtype, device) -> torch.Tensor | None:
@@ -93,7 +104,8 @@ def _additive(mask: torch.Tensor | None, module, queries: int, keys: int, dtype,
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def shared_key_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask):
+def shared_key_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                         dropout: float = 0.0):
     """query (b, N_h, n, K), key (b, 1, m, K), value (b, G, m, d) -> output (b, n, N_h, d), probabilities."""
     batch, heads, length, width = query.shape
     groups, keys = value.shape[1], key.shape[2]
@@ -106,8 +118,8 @@ def shared_key_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
     if mask is not None:
         scores = scores + mask
     probabilities = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    dropout = getattr(module, "attention_dropout", 0.0) if module.training else 0.0
-    probabilities = nn.functional.dropout(probabilities, p=float(dropout or 0.0), training=module.training)
+    probabilities = nn.functional.dropout(probabilities, p=dropout if module.training else 0.0,
+                                          training=module.training)
     grouped = probabilities.view(batch, groups, (heads // groups) * length, keys)
     output = torch.matmul(grouped, value).view(batch, heads, length, -1)
     return output.transpose(1, 2), probabilities

@@ -81,12 +81,16 @@ def markdown_report(result: "CompressResult") -> str:
             + f" | {layer.cost_before['key_cache_per_token']} / {layer.cost_after['key_cache_per_token']} |"
         )
     lines += _rotary_lines(result)
+    shared_key = all(layer.frequency_ranks is not None for layer in result.layers)
     lines += [
         "",
-        "Relative error is ||T - T~||_F / ||T||_F over the stacked per-head products T[i] = W_Q^(i) W_K^(i)^T. "
-        "Q/K MACs per token are the multiply-adds of the query/key block for one token at context length n: its "
-        "projections plus its scores against n keys. Collaborative heads score in R+1 dimensions each, so long "
-        "contexts can cost more than the original while parameters and the key cache shrink.",
+        ("" if shared_key else "Relative error is ||T - T~||_F / ||T||_F over the stacked per-head products "
+         "T[i] = W_Q^(i) W_K^(i)^T. ")
+        + "Q/K MACs per token are the multiply-adds of the query/key block for one token at context length n: its "
+        "projections plus its scores against n keys. "
+        + ("Each head scores against the R-wide shared key, so long contexts can cost more than the original while "
+           "the key cache shrinks." if shared_key else "Collaborative heads score in R+1 dimensions each, so long "
+           "contexts can cost more than the original while parameters and the key cache shrink."),
         "",
     ]
     return "\n".join(lines)
@@ -103,6 +107,10 @@ def _rotary_lines(result: "CompressResult") -> list[str]:
     rotary = [layer for layer in result.layers if layer.frequency_ranks is not None]
     if not rotary:
         return []
+    if not any(layer.frequency_ranks for layer in rotary):  # absolute positions: one real shared subspace
+        return ["", "For shared-key layers, relative error is the share of score energy (keys weighted by the "
+                "queries that read them) the dropped shared directions carried; the rank is the shared key's "
+                "numbers per token."]
     lines = ["", "For rotary layers, relative error is the share of score energy (keys weighted by the queries that "
              "read them) the dropped shared directions carried. Shared complex dimensions per RoPE frequency, "
              "fastest frequency first (each costs 2 cached numbers), and real pass-through dimensions:", "",

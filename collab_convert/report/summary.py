@@ -25,12 +25,13 @@ def _rotary_sentence(result: "CompressResult") -> str:
     widths = [layer.rank for layer in result.layers]
     full = result.layers[0].cost_before["key_cache_per_token"]
     spread = f"{min(widths)} to {max(widths)} per layer, " if min(widths) != max(widths) else ""
-    sentence = (f"Every attention layer ({len(result.layers)}) keeps its per-head queries and shares one rotary key "
-                f"across its key heads, frequency by frequency (RoPE stays exact): {spread}"
+    how = ("one rotary key across its key heads, frequency by frequency (RoPE stays exact)"
+           if any(layer.frequency_ranks for layer in result.layers) else "one key across its key heads")
+    sentence = (f"Every attention layer ({len(result.layers)}) keeps its per-head queries and shares {how}: {spread}"
                 f"{sum(widths) / len(widths):.1f} numbers per token on average, of {full} in the original key cache.")
     if _sum(result, "cost_after", "parameters") >= _sum(result, "cost_before", "parameters"):
-        sentence += (" The key projections stay (a QK-norm sits between them and RoPE, or the budget is full), so "
-                     "the parameters do not shrink: the gain is the key cache.")
+        sentence += (" The parameters do not shrink (each head's core onto the shared key costs as much as the key "
+                     "projection saves, or a QK-norm keeps the key projections): the gain is the key cache.")
     return sentence
 
 
