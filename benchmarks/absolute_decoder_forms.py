@@ -10,8 +10,9 @@ runs it, at each key-cache budget B (share of the original's key numbers per tok
   - CP form: `compress --form collaborative --rank R` with R + N_h = B * D (its cache holds the shared key and
     one content-bias number per head: equal cache),
 each weight-only and calibrated (`--calibration`, 256 Brown documents, default refinement). Printed side by side:
-perplexity on held-out Brown documents (texts disjoint from training and calibration), cached key numbers per
-token and layer, and query/key parameters.
+perplexity on held-out Brown documents (texts disjoint from training and calibration), the next-token KL to the
+original, cached key numbers per token and layer, and query/key parameters; and, for scale, the same for the
+model with uniform attention (every query zeroed): what its attention scores are worth at all.
 """
 
 from __future__ import annotations
@@ -76,24 +77,50 @@ def trained_model(folder: Path, texts: list[str], steps: int):
         optimiser.step()
         schedule.step()
         if step % 250 == 0 or step == steps - 1:
-            print(f"  training step {step}: loss {float(loss):.3f} ({time.perf_counter() - started:.0f} s)", flush=True)
+            print(f"  training step {step}: loss {float(loss.detach()):.3f} ({time.perf_counter() - started:.0f} s)", flush=True)
     model.eval().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
 @torch.no_grad()
-def perplexity(folder: Path, texts: list[str]) -> float:
+def next_token_log_probabilities(folder: Path, texts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(token ids, log-probabilities of each next token) per text."""
     import collab_convert  # noqa: F401 - registers the loader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
-    total, count = 0.0, 0
+    found = []
     for text in texts:
-        ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=LENGTH, add_special_tokens=False)["input_ids"]
-        logits = model(ids).logits[0, :-1]
-        total += float(torch.nn.functional.cross_entropy(logits.float(), ids[0, 1:], reduction="sum"))
-        count += ids.shape[1] - 1
-    return math.exp(total / count)
+        ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=LENGTH,
+                        add_special_tokens=False)["input_ids"]
+        found.append((ids[0], torch.log_softmax(model(ids).logits[0, :-1].float(), -1)))
+    return found
+
+
+def perplexity_and_kl(found, reference=None) -> tuple[float, float]:
+    """Perplexity on the texts, and the mean next-token KL(reference || found) in nats per token."""
+    loss = sum(float(-lp.gather(1, ids[1:, None]).sum()) for ids, lp in found)
+    tokens = sum(len(ids) - 1 for ids, _ in found)
+    if reference is None:
+        return math.exp(loss / tokens), 0.0
+    kl = sum(float((ref.exp() * (ref - lp)).sum()) for (_, ref), (_, lp) in zip(reference, found, strict=True))
+    return math.exp(loss / tokens), kl / tokens
+
+
+def uniform_attention(model: Path, out: Path) -> None:
+    """The model with every query zeroed: each head attends uniformly to the tokens before it. What the
+    attention scores are worth in this model: the loss of a compression is read against this one."""
+    from transformers import AutoModelForCausalLM
+
+    copy = AutoModelForCausalLM.from_pretrained(model)
+    with torch.no_grad():
+        for block in copy.transformer.h:
+            block.attn.c_attn.weight[:, : copy.config.n_embd] = 0  # Conv1D: (in, [q | k | v])
+            block.attn.c_attn.bias[: copy.config.n_embd] = 0
+    copy.save_pretrained(out)
+    for name in model.iterdir():
+        if name.name.startswith(("tokenizer", "vocab", "special")):
+            (out / name.name).write_bytes(name.read_bytes())
 
 
 def compress(model: Path, out: Path, *flags: str) -> tuple[dict, float]:
@@ -105,7 +132,7 @@ def compress(model: Path, out: Path, *flags: str) -> tuple[dict, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budgets", default="0.5,0.25")
+    parser.add_argument("--budgets", default="0.5,0.25,0.125")
     parser.add_argument("--train-steps", type=int, default=1500)
     parser.add_argument("--calibration", type=int, default=256)
     parser.add_argument("--evaluate", type=int, default=64)
@@ -117,13 +144,18 @@ def main() -> None:
     evaluate = held_out[: args.evaluate]
     config = json.loads((model / "config.json").read_text())
     width, heads = config["n_embd"], config["n_head"]
-    print(f"Original: perplexity {perplexity(model, evaluate):.2f} on {len(evaluate)} held-out documents; "
+    reference = next_token_log_probabilities(model, evaluate)
+    print(f"Original: perplexity {perplexity_and_kl(reference)[0]:.2f} on {len(evaluate)} held-out documents; "
           f"{width} key numbers per token and layer")
     with tempfile.TemporaryDirectory() as scratch:
+        uniform_attention(model, Path(scratch) / "uniform")
+        ppl, kl = perplexity_and_kl(next_token_log_probabilities(Path(scratch) / "uniform", evaluate), reference)
+        print(f"Uniform attention (every query zeroed): perplexity {ppl:.2f}, KL to the original {kl:.2e} nats/token")
         text = Path(scratch) / "calibration.txt"
         text.write_text("\n".join(calibration[: args.calibration]) + "\n")
-        print("| budget | form | fit | perplexity | key numbers / token / layer | Q/K params | seconds |")
-        print("|---:|---|---|---:|---:|---:|---:|")
+        print("| budget | form | fit | perplexity | KL to the original | key numbers / token / layer | Q/K params "
+              "| seconds |")
+        print("|---:|---|---|---:|---:|---:|---:|---:|")
         for budget in (float(b) for b in args.budgets.split(",")):
             forms = {"shared-key": ["--form", "shared-key", "--key-cache", str(budget)],
                      "CP": ["--form", "collaborative", "--rank", str(round(budget * width) - heads)]}
@@ -134,8 +166,9 @@ def main() -> None:
                     layers = report["layers"]
                     cache = sum(layer["cost_after"]["key_cache_per_token"] for layer in layers) / len(layers)
                     params = sum(layer["parameters_after"] for layer in layers)
-                    print(f"| {budget} | {form} | {fit} | {perplexity(out, evaluate):.2f} | {cache:.1f} | "
-                          f"{params:,} | {seconds:.1f} |", flush=True)
+                    ppl, kl = perplexity_and_kl(next_token_log_probabilities(out, evaluate), reference)
+                    print(f"| {budget} | {form} | {fit} | {ppl:.2f} | {kl:.2e} | {cache:.1f} | {params:,} | "
+                          f"{seconds:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

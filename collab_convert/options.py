@@ -24,12 +24,12 @@ class _ModelInputs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # architectures/families.py: rotary decoders take the shared-key form only; GPT-2, OPT and GPTBigCode offer it
+    # architectures/families.py: rotary decoders take the shared-key form only; GPT-2, OPT, GPTBigCode, BART, T5 offer it
     form: Literal["auto", "collaborative", "shared-key"] = Field(
         "auto",
         description="collaborative: heads share one query and one key, each with a mixing vector (fewest "
         "parameters). shared-key: heads keep their queries and share one key (decoders: the most fidelity per "
-        "key-cache number; rotary decoders take only this form; GPT-2, OPT and GPTBigCode offer both). auto: "
+        "key-cache number; rotary decoders take only this form; GPT-2, OPT, GPTBigCode, BART and T5 offer both). auto: "
         "shared-key for rotary decoders and with --key-cache, else collaborative.",
     )
 

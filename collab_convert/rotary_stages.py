@@ -175,7 +175,7 @@ def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: 
     `scratch` folder the model runs a block at a time and the calibrations wait there (capture.py)."""
     from .integration.capture import collect_rotary_statistics
 
-    layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads))
+    layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads), layer.causal)
               for layer in source.layers}
     keep = min(options.refine_samples, ROTARY_REFINE_SAMPLES) if options.refine_steps else 0
     calibrations, batches = collect_rotary_statistics(source.folder, source.family, layers, texts,
@@ -183,7 +183,7 @@ def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: 
                                                       token_budget=options.calibration_tokens, scratch=scratch,
                                                       width=source.width)
     refinement = (f"up to {options.refine_steps} Adam steps per layer on the error of the attention output (through "
-                  f"the output projection; causal attention KL reported), each on 8 of "
+                  f"the output projection; attention KL reported), each on 8 of "
                   f"{min(keep, len(texts))} sequences and 32 query positions in each, stopped and chosen on a "
                   "held-out tenth of them") if keep else "off"
     calibration = {

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import UnsupportedModelError
 from ..modeling.forwards import bart_forward, gpt2_forward, gpt_bigcode_forward, mpnet_forward, opt_forward, t5_forward
+from ..modeling.rotary import bart_shared_key_forward, t5_shared_key_forward
 from ..format import HeadCounts
 from .layouts import FusedProjection, Layout, SeparateProjections
 from .rotary import RotaryProjections
@@ -254,7 +255,7 @@ ROTARY_FAMILIES: tuple[Family, ...] = (
 FAMILIES = FAMILIES + ROTARY_FAMILIES
 
 SHARED_KEY = "shared-key"
-# Absolute-position decoders in the shared-key form (--form shared-key): each head keeps its query (bias and
+# Absolute-position decoders (and encoder-decoders) in the shared-key form (--form shared-key): each head keeps its query (bias and
 # all, so no content bias is needed), one shared key of R numbers per token replaces the key heads. At equal
 # cache it keeps far more of the scores than the CP form; the CP form saves more parameters. A family here has
 # the same model_types as its CP entry above; family_for picks one by the form asked for.
@@ -286,6 +287,26 @@ SHARED_KEY_FAMILIES: tuple[Family, ...] = (
         # A post-norm OPT (opt-350m) has no norm in front of its attention to tell the input scales
         requires=(("do_layer_norm_before", (None, True), "the shared-key form reads the scale of the norm in front "
                    "of attention, which a post-norm OPT does not have; its default (CP) form works"),),
+        absolute_positions=True,
+    ),
+    Family(
+        # Every attention module takes the form (encoder, decoder, encoder-decoder); the decoder's caches hold
+        # the shared keys. BART normalises after attention, so weight-only fits take isotropic inputs.
+        name="bart-shared-key",
+        model_types=("bart", "mbart", "marian", "pegasus"),
+        sites=next(f for f in FAMILIES if f.name == "bart").sites,
+        layout=RotaryProjections(output="out_proj", dropout="dropout", input_norm=None),
+        forward=bart_shared_key_forward,
+        absolute_positions=True,
+    ),
+    Family(
+        # The relative position bias and the unscaled scores stay as they are (calibration reads the bias).
+        name="t5-shared-key",
+        model_types=("t5", "mt5"),
+        sites=next(f for f in FAMILIES if f.name == "t5").sites,
+        layout=RotaryProjections(query="q", key="k", value="v", output="o", dropout="dropout", input_norm=None),
+        forward=t5_shared_key_forward,
+        position_bias=_t5_position_bias,
         absolute_positions=True,
     ),
 )

@@ -153,8 +153,14 @@ class RotaryProjections:
             states = norm_module(states)
         return states
 
-    def original_queries_keys(self, module: nn.Module, hidden: torch.Tensor, heads: HeadCounts):
-        """An original module's queries (b, n, N_h, d) and keys (b, n, G, d) after any norm, before RoPE."""
+    def original_queries_keys(self, module: nn.Module, hidden: torch.Tensor, heads: HeadCounts,
+                              key_states: torch.Tensor | None = None):
+        """An original module's queries (b, n, N_h, d) and keys (b, n, G, d) after any norm, before RoPE; the keys
+        from `key_states` where they differ (encoder-decoder attention: the encoder's output)."""
+        if key_states is not None and key_states is not hidden:
+            query = getattr(module, self.query)(hidden)  # encoder-decoder families have separate projections
+            return (self._normed(module, query, self.query_norm, heads.num_heads),
+                    self._normed(module, getattr(module, self.key)(key_states), self.key_norm, heads.kv_heads))
         if self.fused:
             fused = getattr(module, self.fused)(hidden)
             d = fused.shape[-1] // (heads.num_heads + 2 * (heads.num_heads if self.interleaved else heads.kv_heads))

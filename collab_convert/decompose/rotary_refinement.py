@@ -1,8 +1,8 @@
 """Refining a shared rotary key against the original layer's attention (pure torch: no model, no files).
 
 The weighted PCA (rotary.py) keeps the most score energy, but softmax only listens to the keys that win.
-Layer by layer, Adam adjusts the key mixing and the per-head cores so that each head's causal attention on
-calibration sequences matches the original's (mean KL divergence). Stochastic, as the CP refinement is: each
+Layer by layer, Adam adjusts the key mixing and the per-head cores so that each head's attention on
+calibration sequences (causal in decoders; T5's position bias added) matches the original's. Stochastic, as the CP refinement is: each
 step sees a few sequences and a few sampled query positions, so its cost does not grow with the calibration
 set; a held-out tenth of the sequences decides when to stop and which parameters to keep (the start counts,
 so the result is never worse there than the PCA it started from).
@@ -37,6 +37,8 @@ class AttentionSetting:
     sin: torch.Tensor
     softcap: float | None = None
     output_weight: torch.Tensor | None = None  # (D, N_h d): the output projection, which weighs head errors
+    causal: bool = True  # each query sees the keys up to its own position (False: encoders, cross-attention)
+    position_bias: torch.Tensor | None = None  # (N_h, n_max, m_max) added to the scaled scores (T5's)
 
 
 @dataclass
@@ -88,8 +90,14 @@ class _Problem:
         row_cos, row_sin = setting.cos[positions][:, None], setting.sin[positions][:, None]  # (B, 1, rows, rd)
         self.queries = rotate_half_dims(queries.transpose(1, 2), row_cos, row_sin, geometry.rotary_dim)
         self.keys = keys.flatten(2)  # (B, m, G d)
-        allowed = key_valid[:, None, :] & (torch.arange(length)[None, None, :] <= positions[:, :, None])
+        allowed = key_valid[:, None, :].expand(-1, positions.shape[1], -1)
+        if setting.causal:
+            allowed = allowed & (torch.arange(length)[None, None, :] <= positions[:, :, None])
         self.allowed = allowed[:, None]  # (B, 1, rows, m)
+        self.bias = None
+        if setting.position_bias is not None:  # each row's bias at its own position: (B, H, rows, m)
+            bias = setting.position_bias[:, :, :length]
+            self.bias = bias[:, positions.clamp_max(bias.shape[1] - 1)].permute(1, 0, 2, 3)
         self.rows = row_valid
         self.valid = row_valid[:, None, :].expand(-1, geometry.num_heads, -1)
         rotated_keys = rotate_half_dims(keys.transpose(1, 2), cos, sin, geometry.rotary_dim)  # (B, G, m, d)
@@ -108,6 +116,8 @@ class _Problem:
         scores = scores * self.setting.scaling
         if self.setting.softcap:
             scores = torch.tanh(scores / self.setting.softcap) * self.setting.softcap
+        if self.bias is not None:
+            scores = scores + self.bias
         return torch.log_softmax(scores.masked_fill(~self.allowed, float("-inf")), dim=-1)
 
     def _output(self, probabilities: torch.Tensor) -> torch.Tensor:

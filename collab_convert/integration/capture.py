@@ -386,13 +386,15 @@ class _RotaryObserver:
         from ..decompose.rotary import statistics_of
         from ..decompose.rotary_refinement import AttentionSetting, RotarySample
 
-        geometry, heads = self.layers[prefix]
+        geometry, heads, causal = self.layers[prefix]
         record, layout, current = self.found[prefix], self.family.layout, self.current
 
         def hook(module, args, kwargs):
             hidden = kwargs.get("hidden_states", args[0] if args else None)
-            queries, keys = layout.original_queries_keys(module, hidden, heads)
-            values = layout.original_values(module, hidden, heads) if self.keep else queries
+            source = kwargs.get("key_value_states")  # encoder-decoder attention: keys and values from the encoder
+            source = hidden if source is None else source
+            queries, keys = layout.original_queries_keys(module, hidden, heads, source)
+            values = layout.original_values(module, source, heads) if self.keep else queries
             real = zip(current.sequences(queries), current.sequences(keys), current.sequences(values), strict=True)
             for query, key, value in real:  # each cut to its real tokens: no padding counted
                 more = statistics_of(query.float(), key.float(), geometry)
@@ -405,10 +407,18 @@ class _RotaryObserver:
                 output = layout.output_weight(module)
                 record.setting = AttentionSetting(float(module.scaling), cos[0].float().clone(), sin[0].float().clone(),
                                                   getattr(module, "attn_logit_softcapping", None),
-                                                  output.detach().float().clone())
+                                                  output.detach().float().clone(), causal,
+                                                  self._position_bias(module, args, kwargs))
             current.observed_one()
 
         return hook
+
+    def _position_bias(self, module, args, kwargs) -> torch.Tensor | None:
+        """The relative position bias the module adds to its scores (T5's), (N_h, n, m), for refinement."""
+        if self.family.position_bias is None:
+            return None
+        bias = self.family.position_bias(module, inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments)
+        return bias[0].detach().float().clone() if isinstance(bias, torch.Tensor) else None
 
     def finished(self, prefix: str) -> RotaryCalibration:
         """The layer's record, statistics as means per token; forgotten here."""
@@ -432,7 +442,7 @@ def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[st
                               scratch: Path | None = None, width: int | None = None):
     """Query energy and key second moments of every rotary layer on real text (decompose/rotary.py), as means
     per token, and up to `keep_samples` raw sequences per layer. `layers` maps a prefix to (geometry, head
-    counts). The queries and keys are the module's own, after any QK-norm and before RoPE, computed from the
+    counts, causal). The queries and keys are the module's own, after any QK-norm and before RoPE, computed from the
     hidden states it receives; RoPE tables, scale and soft-capping are read from the same call. Returns the
     records by prefix and the batches that ran. With a `scratch` folder the model runs a block at a time and
     the records wait there, as collect_statistics does."""

@@ -25,6 +25,9 @@ def sentence_embeddings(model, tokenizer, texts: list[str], batch_size: int = 64
             max_length=max_length,
             return_tensors="pt",
         )
+        if getattr(model.config, "is_encoder_decoder", False):  # the decoder reads the text too, as in calibration
+            batch = {**batch, "decoder_input_ids": batch["input_ids"],
+                     "decoder_attention_mask": batch["attention_mask"]}
         hidden = model(**batch).last_hidden_state.float()
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)

@@ -76,8 +76,8 @@ def bart_forward(self, hidden_states, key_value_states=None, cache=None, attenti
         cache = kwargs.pop("past_key_values", None)
     input_shape = hidden_states.shape[:-1]
     queries = nn.functional.linear(hidden_states, self.shared_query.weight).unsqueeze(1)
-    keys, values = _encoder_decoder_keys(self, hidden_states, key_value_states, cache, self.v_proj, self.head_dim,
-                                         kwargs)
+    keys, values = encoder_decoder_keys(self, hidden_states, key_value_states, cache,
+                                        _packed_keys_and_values(self, self.v_proj, self.head_dim), kwargs)
     output, weights = collaborative_attention(
         self, queries, keys, values, attention_mask,
         dropout=self.dropout if self.training else 0.0, scaling=self.scaling, **kwargs,
@@ -91,22 +91,11 @@ def t5_forward(self, hidden_states, mask=None, key_value_states=None, position_b
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
     input_shape = hidden_states.shape[:-1]
-    past_seen_tokens = cache.get_seq_length(self.layer_idx) if cache is not None else 0
-    # cloned for StaticCache, whose length tensor the update below changes in place (as the original does)
-    past_seen_tokens = past_seen_tokens.clone() if isinstance(past_seen_tokens, torch.Tensor) else past_seen_tokens
+    seen = past_seen_tokens(self, cache)
     queries = nn.functional.linear(hidden_states, self.shared_query.weight).unsqueeze(1)
-    keys, values = _encoder_decoder_keys(self, hidden_states, key_value_states, cache, self.v,
-                                         self.key_value_proj_dim, kwargs)
-    if position_bias is None:
-        key_length = keys.shape[-2]
-        if not self.has_relative_attention_bias:
-            position_bias = torch.zeros((1, self.n_heads, input_shape[1], key_length), device=queries.device,
-                                        dtype=queries.dtype)
-            if self.gradient_checkpointing and self.training:
-                position_bias.requires_grad = True
-        else:
-            position_bias = self.compute_bias(input_shape[1], key_length, device=queries.device,
-                                              past_seen_tokens=past_seen_tokens)
+    keys, values = encoder_decoder_keys(self, hidden_states, key_value_states, cache,
+                                        _packed_keys_and_values(self, self.v, self.key_value_proj_dim), kwargs)
+    position_bias = t5_position_bias(self, position_bias, input_shape[1], keys.shape[-2], seen, queries)
     output, weights = collaborative_attention(
         self, queries, keys, values, mask,
         dropout=self.dropout if self.training else 0.0, scaling=self.scaling, position_bias=position_bias, **kwargs,
@@ -114,10 +103,39 @@ def t5_forward(self, hidden_states, mask=None, key_value_states=None, position_b
     return self.o(output.reshape(*input_shape, -1).contiguous()), position_bias, weights
 
 
-def _encoder_decoder_keys(self, hidden_states, key_value_states, cache, value_projection, head_dim: int, kwargs):
-    """(packed shared keys, values) of self-attention or, with key_value_states, encoder-decoder attention,
-    through an encoder-decoder cache as the originals use it: self-attention appends token by token, and
-    encoder-decoder attention computes the encoder's once and reuses it at every later step."""
+def t5_position_bias(self, position_bias, length: int, key_length: int, past_seen_tokens, like: torch.Tensor):
+    """The bias T5Attention adds to its scores: the one handed on by the stack's first layer, else its own
+    relative position bias (or zeros, in a layer without one), as the original computes it."""
+    if position_bias is not None:
+        return position_bias
+    if not self.has_relative_attention_bias:
+        position_bias = torch.zeros((1, self.n_heads, length, key_length), device=like.device, dtype=like.dtype)
+        if self.gradient_checkpointing and self.training:
+            position_bias.requires_grad = True
+        return position_bias
+    return self.compute_bias(length, key_length, device=like.device, past_seen_tokens=past_seen_tokens)
+
+
+def past_seen_tokens(self, cache):
+    """Tokens the cache already holds for this layer (cloned for StaticCache, whose length tensor the update
+    changes in place, as the original does)."""
+    seen = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+    return seen.clone() if isinstance(seen, torch.Tensor) else seen
+
+
+def _packed_keys_and_values(self, value_projection, head_dim: int):
+    def keys_and_values(current):
+        values = value_projection(current).view(*current.shape[:-1], -1, head_dim).transpose(1, 2)
+        return self._packed_key(current).unsqueeze(1), values
+
+    return keys_and_values
+
+
+def encoder_decoder_keys(self, hidden_states, key_value_states, cache, keys_and_values, kwargs):
+    """(keys, values) of self-attention or, with key_value_states, encoder-decoder attention, through an
+    encoder-decoder cache as the originals use it: self-attention appends token by token, and encoder-decoder
+    attention computes the encoder's once and reuses it at every later step. `keys_and_values(states)` gives
+    what the form caches: the packed shared key (CP form) or the shared key (shared-key form), and values."""
     from transformers.cache_utils import EncoderDecoderCache
 
     cross = key_value_states is not None
@@ -128,8 +146,7 @@ def _encoder_decoder_keys(self, hidden_states, key_value_states, cache, value_pr
         layer_cache = cache.cross_attention_cache if cross else cache.self_attention_cache
     if reuse:
         return layer_cache.layers[self.layer_idx].keys, layer_cache.layers[self.layer_idx].values
-    keys = self._packed_key(current).unsqueeze(1)
-    values = value_projection(current).view(*current.shape[:-1], -1, head_dim).transpose(1, 2)
+    keys, values = keys_and_values(current)
     if cache is not None:
         keys, values = layer_cache.update(keys, values, self.layer_idx, kwargs=kwargs)
         if cross and isinstance(cache, EncoderDecoderCache):

@@ -21,6 +21,7 @@ from torch import nn
 from ..decompose.rotary_ops import query_basis_matrix, rotate_slots
 from ..format import HeadCounts
 from .attention import is_tracing
+from .forwards import encoder_decoder_keys, past_seen_tokens, t5_position_bias
 
 
 class RotarySharedKeyMixin:
@@ -75,6 +76,53 @@ class RotarySharedKeyMixin:
         return layout.output_projection(self, output), weights
 
 
+def _shared_query(module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Each head's query (b, N_h, n, K) in the shared basis (no rotation: the encoder-decoder families have
+    absolute or relative positions)."""
+    query = module.rotary_layout.queries(module, hidden_states, module.rotary_heads.num_heads).transpose(1, 2)
+    return torch.matmul(query, module.query_basis())
+
+
+def _shared_keys_and_values(module):
+    layout, kv_heads = module.rotary_layout, module.rotary_heads.kv_heads
+
+    def keys_and_values(states: torch.Tensor):
+        return (layout.shared_key(module, states, kv_heads).unsqueeze(1),
+                layout.values(module, states, kv_heads).transpose(1, 2))
+
+    return keys_and_values
+
+
+def bart_shared_key_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):
+    """BartAttention.forward (transformers 5; mBART's, Marian's and Pegasus' are copies) in the shared-key form:
+    self-attention caches exactly the shared key; encoder-decoder attention caches the encoder's once."""
+    cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+    batch, length = hidden_states.shape[:2]
+    query = _shared_query(self, hidden_states)
+    key, value = encoder_decoder_keys(self, hidden_states, key_value_states, cache, _shared_keys_and_values(self),
+                                      kwargs)
+    output, weights = shared_key_attention(self, query, key, value, attention_mask,
+                                           self.rotary_layout.dropout_probability(self))
+    return self.rotary_layout.output_projection(self, output.reshape(batch, length, -1).contiguous()), weights
+
+
+def t5_shared_key_forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, cache=None,
+                          **kwargs):
+    """T5Attention.forward (transformers 5) in the shared-key form: the relative position bias and the unscaled
+    scores stay as they are; caches as in bart_shared_key_forward."""
+    cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+    batch, length = hidden_states.shape[:2]
+    seen = past_seen_tokens(self, cache)
+    query = _shared_query(self, hidden_states)
+    key, value = encoder_decoder_keys(self, hidden_states, key_value_states, cache, _shared_keys_and_values(self),
+                                      kwargs)
+    position_bias = t5_position_bias(self, position_bias, length, key.shape[-2], seen, query)
+    output, weights = shared_key_attention(self, query, key, value, mask, self.rotary_layout.dropout_probability(self),
+                                           position_bias=position_bias)
+    output = self.rotary_layout.output_projection(self, output.reshape(batch, length, -1).contiguous())
+    return output, position_bias, weights
+
+
 def _cache_argument(kwargs: dict):
     """The KV cache under any of the names the families pass it by (the self-attention part of an
     encoder-decoder cache, as GPT-2's blocks may hand one); the others leave kwargs."""
@@ -105,8 +153,9 @@ def _additive(mask: torch.Tensor | None, module, queries: int, keys: int, dtype,
 
 
 def shared_key_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-                         dropout: float = 0.0):
-    """query (b, N_h, n, K), key (b, 1, m, K), value (b, G, m, d) -> output (b, n, N_h, d), probabilities."""
+                         dropout: float = 0.0, position_bias: torch.Tensor | None = None):
+    """query (b, N_h, n, K), key (b, 1, m, K), value (b, G, m, d) -> output (b, n, N_h, d), probabilities. A
+    position bias (T5's, (1 or b, N_h, n, m)) is added to the scaled scores, before the mask."""
     batch, heads, length, width = query.shape
     groups, keys = value.shape[1], key.shape[2]
     scores = torch.matmul(query.reshape(batch, heads * length, width), key[:, 0].transpose(1, 2))
@@ -114,6 +163,8 @@ def shared_key_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
     softcap = getattr(module, "attn_logit_softcapping", None)
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
+    if position_bias is not None:
+        scores = scores + position_bias
     mask = _additive(attention_mask, module, length, keys, scores.dtype, scores.device)
     if mask is not None:
         scores = scores + mask
@@ -133,7 +184,8 @@ def _rotary_class(original: type, family) -> type:
     if cache_key not in _CLASS_CACHE:
         _CLASS_CACHE[cache_key] = type(
             f"SharedKey{original.__name__}", (RotarySharedKeyMixin, original),
-            {"rotary_layout": family.layout, "collaborative_origin": original, "__module__": __name__},
+            {"rotary_layout": family.layout, "collaborative_origin": original, "__module__": __name__,
+             **({"forward": family.forward} if family.forward else {})},  # encoder-decoder families: their own
         )
     return _CLASS_CACHE[cache_key]
 

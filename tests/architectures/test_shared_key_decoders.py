@@ -1,7 +1,8 @@
-"""Decoders with absolute positions (GPT-2, OPT, GPTBigCode) in the shared-key form: each head keeps its query,
-one shared key replaces the key heads. At the full key cache the logits and greedy generation are the original's;
-at half of it the KV cache really holds half the key numbers, with no content-bias column and no padding; the
-form is asked for with --form shared-key (or --key-cache alone) and refused, in one line, where it is not offered."""
+"""Decoders with absolute or relative positions (GPT-2, OPT, GPTBigCode; BART and T5, encoder-decoders) in the
+shared-key form: each head keeps its query, one shared key replaces the key heads. At the full key cache the
+logits and greedy generation are the original's; at half of it the KV caches really hold the shared key alone,
+with no content-bias column and no padding; the form is asked for with --form shared-key (or --key-cache alone)
+and refused, in one line, where it is not offered."""
 
 import json
 
@@ -74,6 +75,61 @@ def test_half_key_cache_caches_exactly_the_shared_key(name, tmp_path):
     assert sum(layer.rank for layer in result.layers) == round(0.5 * full) * len(result.layers)
     # Close to the original still (these tiny random models keep most of their score energy in few directions).
     assert relative(logits(shared, ids), logits(original, ids)) < 0.05
+
+
+SEQ2SEQ = ["bart", "t5"]
+
+
+def seq2seq_batch():
+    g = torch.Generator().manual_seed(1)
+    ids, decoder_ids = torch.randint(3, 60, (2, 12), generator=g), torch.randint(3, 60, (2, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0  # a padded source: the encoder's mask reaches encoder and encoder-decoder attention
+    return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder_ids}
+
+
+@pytest.mark.parametrize("name", SEQ2SEQ)
+def test_encoder_decoders_are_exact_at_the_full_key_cache_and_cache_the_shared_key(name, tmp_path):
+    original = build_family(family_case(name), tmp_path / "in")
+    for share in (1.0, 0.5):
+        out = tmp_path / f"out-{share}"
+        result = compress(str(tmp_path / "in"), CompressOptions(form="shared-key", key_cache=share, output=out))
+        assert result.family == f"{name}-shared-key"
+        shared = load_model(out).eval()
+        batch = seq2seq_batch()
+        with torch.no_grad():
+            expected, found = original(**batch).logits, shared(**batch).logits
+            cache = shared(**{k: v[:1] for k, v in batch.items()}, use_cache=True).past_key_values
+        ranks = {layer.name: layer.rank for layer in result.layers}
+        decoder_self = sorted(r for n, r in ranks.items() if "decoder" in n and ("self_attn" in n or "SelfAttention" in n))
+        decoder_cross = sorted(r for n, r in ranks.items() if "encoder_attn" in n or "EncDecAttention" in n)
+        assert sorted(layer.keys.shape[-1] for layer in cache.self_attention_cache.layers) == decoder_self
+        assert sorted(layer.keys.shape[-1] for layer in cache.cross_attention_cache.layers) == decoder_cross
+        assert all(layer.keys.shape[1] == 1 for layer in cache.self_attention_cache.layers)  # one shared key
+        if share == 1.0:
+            assert relative(found, expected) <= 1e-4
+            start = batch["input_ids"][:1]
+            assert torch.equal(shared.generate(start, max_new_tokens=10, do_sample=False),
+                               original.generate(start, max_new_tokens=10, do_sample=False))
+
+
+@pytest.mark.parametrize("form, name", [("shared-key", "t5"), ("shared-key", "bart"), ("collaborative", "t5")])
+def test_calibrated_encoder_decoders_refine_every_kind_of_attention(form, name, tmp_path):
+    # Encoder (bidirectional), decoder (causal) and encoder-decoder attention, T5's position bias added; the
+    # fidelity of an encoder-decoder is measured with the text on both sides, as calibration runs it.
+    build_family(family_case(name), tmp_path / "in")
+    save_tiny_tokenizer(tmp_path / "in")
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"the cat was on the mat and it is with her at {i} of the {i % 7}" for i in range(40)))
+    budget = {"key_cache": 0.4} if form == "shared-key" else {"rank": 16}
+    result = compress(str(tmp_path / "in"), CompressOptions(form=form, calibration=text, refine_steps=20,
+                                                             output=tmp_path / "out", **budget))
+    kinds = {"cross" if ("encoder_attn" in layer.name or "EncDecAttention" in layer.name)
+             else "decoder" if "decoder" in layer.name else "encoder" for layer in result.layers}
+    assert kinds == {"encoder", "decoder", "cross"}
+    for layer in result.layers:
+        assert layer.refinement["steps"] > 0 and layer.refinement["kl_after"] <= layer.refinement["kl_before"] + 1e-9
+    assert result.fidelity["cosine_mean"] > 0.99
 
 
 def test_calibrated_shared_key_refines_and_reports_it(tmp_path):

@@ -130,3 +130,47 @@ def test_query_into_the_shared_basis_before_rope_equals_after(rotary_dim, pass_r
     matrix = query_basis_matrix(core, pass_core, slots, rotary_dim, head_dim)
     before = rotate_slots(query @ matrix, cos[..., slots], sin[..., slots])
     assert torch.allclose(before, after, atol=1e-12)
+
+
+def test_with_no_rotated_dimension_the_shared_key_is_one_weighted_subspace_exact_at_full_width():
+    # Absolute positions (GPT-2, OPT, BART, T5 in the shared-key form): every key dimension is pass-through.
+    geometry = RotaryGeometry(4, 4, 8, 0)
+    layer = random_layer(geometry, seed=2)
+    statistics = weight_statistics(*layer, geometry)
+    spectrum = key_spectrum(statistics, geometry)
+    assert spectrum.frequency_losses.shape == (0, 4) and spectrum.pass_losses.shape == (32,)
+    (ranks,) = allocate([spectrum], 5)
+    assert ranks == KeyRanks((), 5) and ranks.width == 5  # at least one real direction, never over budget
+    factors = fit_shared_key(statistics, geometry, KeyRanks.full(geometry))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 24, generator=g, dtype=torch.float64)
+    queries, keys = (x @ layer[0].T + layer[1]).view(7, 4, 8), (x @ layer[2].T + layer[3]).view(7, 4, 8)
+    empty = torch.ones(7, 0, dtype=torch.float64)
+    scores = shared_scores(queries, keys, factors, geometry, empty, empty)
+    original = torch.einsum("nhd,mhd->hnm", queries, keys)
+    # exact up to a shift per query (the key mean is dropped: it cancels in the softmax)
+    assert torch.allclose(torch.softmax(scores, -1), torch.softmax(original, -1), atol=1e-8)
+
+
+def test_refinement_reads_bidirectional_attention_with_a_position_bias():
+    # Encoders and encoder-decoder attention see every key; T5 adds a position bias to the scores. The
+    # refinement's starting KL must be the one of exactly that attention, and refining must not worsen it.
+    from collab_convert.decompose.rotary_refinement import _batch, _Problem
+
+    geometry = RotaryGeometry(4, 4, 8, 0)
+    layer = random_layer(geometry, seed=6)
+    g = torch.Generator().manual_seed(8)
+    samples = []
+    for _ in range(12):
+        x = torch.randn(10, 24, generator=g, dtype=torch.float64)
+        samples.append(RotarySample((x @ layer[0].T + layer[1]).view(10, 4, 8).float(),
+                                    (x @ layer[2].T + layer[3]).view(10, 4, 8).float()))
+    bias = torch.randn(4, 10, 10, generator=g)
+    empty = torch.ones(10, 0)
+    setting = AttentionSetting(1.0, empty, empty, causal=False, position_bias=bias)
+    factors = fit_shared_key(weight_statistics(*layer, geometry), geometry, KeyRanks((), 6))
+    problem = _Problem(_batch(samples[:1], None, None), geometry, setting, torch.zeros(0, dtype=torch.long))
+    expected = torch.log_softmax(torch.einsum("nhd,mhd->hnm", samples[0].queries, samples[0].keys) + bias, -1)
+    assert torch.allclose(problem.target[0], expected, atol=1e-5)  # no causal mask, the bias where it belongs
+    refined = refine_shared_key(samples, factors, geometry, setting, steps=40)
+    assert refined.kl_after <= refined.kl_before and refined.kl_before > 0

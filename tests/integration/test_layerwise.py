@@ -125,7 +125,7 @@ def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, mon
     build_rotary(next(case for case in ROTARY_CASES if case.name == name), tmp_path / name)
     source = open_model(str(tmp_path / name))
     try:
-        layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads))
+        layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads), layer.causal)
                   for layer in source.layers}
         runs = [collect_rotary_statistics(source.folder, source.family, layers, SENTENCES[:10], max_length=40,
                                           keep_samples=3, scratch=scratch)[0]

@@ -57,10 +57,10 @@ def _decoder(kind: str, folder):
     return folder
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "gpt2-shared-key", "llama"])
 def test_a_compressed_decoder_exports_its_logits_without_cache(kind, tmp_path):
-    folder = _decoder(kind, tmp_path / kind)
-    budget = {"rank": 8} if kind == "gpt2" else {"key_cache": 0.5}
+    folder = _decoder(kind.removesuffix("-shared-key"), tmp_path / kind)
+    budget = {"rank": 8} if kind == "gpt2" else {"key_cache": 0.5}  # --key-cache: the shared-key form
     compress(str(folder), CompressOptions(output=tmp_path / "compressed", plots=False, **budget))
     outcome = CliRunner().invoke(app, ["export", str(tmp_path / "compressed"), "-o", str(tmp_path / "onnx"), "--json"])
     assert outcome.exit_code == 0, outcome.output
