@@ -89,6 +89,17 @@ def test_every_layer_keeps_one_complex_dimension_however_small_the_budget():
     assert [r.frequency_ranks for r in ranks] == [(1,), (1,)]
 
 
+def calibration_samples(layer, geometry: RotaryGeometry, generator, count: int = 12, length: int = 10,
+                        scale: float = 1.0) -> list[RotarySample]:
+    """Queries and keys of `layer` on random inputs, as calibration records them."""
+    samples = []
+    for _ in range(count):
+        x = torch.randn(length, 24, generator=generator, dtype=torch.float64) * scale
+        samples.append(RotarySample((x @ layer[0].T + layer[1]).view(length, geometry.num_heads, -1).float(),
+                                    (x @ layer[2].T + layer[3]).view(length, geometry.kv_heads, -1).float()))
+    return samples
+
+
 def test_spectrum_losses_are_sorted_and_sum_to_the_energy():
     geometry = RotaryGeometry(4, 2, 8, 8)
     found = key_spectrum(weight_statistics(*random_layer(geometry), geometry), geometry)
@@ -99,12 +110,7 @@ def test_spectrum_losses_are_sorted_and_sum_to_the_energy():
 def test_refinement_never_worsens_the_held_out_attention():
     geometry = RotaryGeometry(4, 2, 8, 8)
     layer = random_layer(geometry, seed=5)
-    g = torch.Generator().manual_seed(7)
-    samples = []
-    for _ in range(12):
-        x = torch.randn(10, 24, generator=g, dtype=torch.float64) * 0.3
-        samples.append(RotarySample((x @ layer[0].T + layer[1]).view(10, 4, 8).float(),
-                                    (x @ layer[2].T + layer[3]).view(10, 2, 8).float()))
+    samples = calibration_samples(layer, geometry, torch.Generator().manual_seed(7), scale=0.3)
     cos, sin = rope_tables(10, 8)
     factors = fit_shared_key(weight_statistics(*layer, geometry), geometry, KeyRanks((1, 1, 1, 1), 0))
     refined = refine_shared_key(samples, factors, geometry, AttentionSetting(8**-0.5, cos.float(), sin.float()),
@@ -160,11 +166,7 @@ def test_refinement_reads_bidirectional_attention_with_a_position_bias():
     geometry = RotaryGeometry(4, 4, 8, 0)
     layer = random_layer(geometry, seed=6)
     g = torch.Generator().manual_seed(8)
-    samples = []
-    for _ in range(12):
-        x = torch.randn(10, 24, generator=g, dtype=torch.float64)
-        samples.append(RotarySample((x @ layer[0].T + layer[1]).view(10, 4, 8).float(),
-                                    (x @ layer[2].T + layer[3]).view(10, 4, 8).float()))
+    samples = calibration_samples(layer, geometry, g)
     bias = torch.randn(4, 10, 10, generator=g)
     empty = torch.ones(10, 0)
     setting = AttentionSetting(1.0, empty, empty, causal=False, position_bias=bias)
