@@ -190,7 +190,8 @@ def _rotary_layer(source, layer, statistics, budgets, geometry_of, fit_shared_ke
     candidates = []
     for width, ranks in budgets.items():
         factors = fit_shared_key(statistics, geometry, ranks[layer.prefix])
-        cost = shared_rotary_cost(_shape(source, layer), ranks[layer.prefix].width, factors.pass_core.numel(),
+        cost = shared_rotary_cost(_shape(source, layer), ranks[layer.prefix].width,
+                                  factors.query_core.numel(), factors.pass_core.numel(),
                                   has_bias=layer.has_query_bias).as_dict()
         candidates.append({**cost, "relative_error": round(factors.lost_energy, 6), "logit_error": None,
                            "frequency_ranks": list(ranks[layer.prefix].frequency_ranks)})

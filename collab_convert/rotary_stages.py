@@ -84,7 +84,10 @@ def plan_layers(source: SourceModel, width: int) -> list[dict]:
     for layer in source.layers:
         shape = _shape(source, layer)
         before = original_rotary_cost(shape, has_bias=layer.has_query_bias).parameters
-        after = shared_rotary_cost(shape, width, has_bias=layer.has_query_bias).parameters
+        # with no rotated dimension every head maps its whole query onto the shared key (pass_core: N_h x d x R)
+        cores = {"complex_core": 0, "pass_core": layer.shape.num_heads * layer.shape.head_dim * width} \
+            if not layer.rotary_dim else {}
+        after = shared_rotary_cost(shape, width, **cores, has_bias=layer.has_query_bias).parameters
         layers.append({"name": layer.prefix, "rank": width, "parameters_before": before, "parameters_after": after})
     return layers
 
@@ -283,8 +286,8 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, stat
 def _report(source: SourceModel, layer: AttentionLayer, factors, seconds: float) -> LayerReport:
     shape = _shape(source, layer)
     before = original_rotary_cost(shape, has_bias=layer.has_query_bias)
-    pass_core = factors.pass_core.numel()
-    after = shared_rotary_cost(shape, factors.ranks.width, pass_core, has_bias=layer.has_query_bias)
+    after = shared_rotary_cost(shape, factors.ranks.width, factors.query_core.numel(), factors.pass_core.numel(),
+                               has_bias=layer.has_query_bias)
     losses = key_spectrum_values(factors)
     return LayerReport(
         name=layer.prefix, rank=factors.ranks.width, num_heads=layer.shape.num_heads, head_dim=layer.shape.head_dim,

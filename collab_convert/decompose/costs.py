@@ -120,16 +120,18 @@ def original_rotary_cost(shape: RotaryShape, has_bias: bool = False) -> QueryKey
     )
 
 
-def shared_rotary_cost(shape: RotaryShape, width: int, pass_core: int = 0, has_bias: bool = False) -> QueryKeyCost:
-    """Per-head queries kept, one shared key of `width` numbers per token, a per-head core onto it (two numbers
-    per complex slot, `pass_core` for the pass-through dimensions)."""
+def shared_rotary_cost(shape: RotaryShape, width: int, complex_core: int | None = None, pass_core: int = 0,
+                       has_bias: bool = False) -> QueryKeyCost:
+    """Per-head queries kept, one shared key of `width` numbers per token, a per-head core onto it: two numbers
+    per complex slot and head (`complex_core` in all; default every dimension complex, N_h x width), which cost
+    two multiply-adds each per token, and head_dim per real pass-through dimension and head (`pass_core`), one."""
     d, queries = shape.input_dim, shape.num_heads * shape.head_dim
     key = d * shape.key_width + width * shape.key_width if shape.key_norm else d * width
-    core = shape.num_heads * width + pass_core
+    complex_core = shape.num_heads * width if complex_core is None else complex_core
     return QueryKeyCost(
         rank=width,
-        parameters=d * queries + key + core + ((queries + width) if has_bias else 0),
-        projection_flops_per_token=d * queries + key + 2 * core,
+        parameters=d * queries + key + complex_core + pass_core + ((queries + width) if has_bias else 0),
+        projection_flops_per_token=d * queries + key + 2 * complex_core + pass_core,
         score_flops={n: n * n * shape.num_heads * width for n in SEQUENCE_LENGTHS},
         key_cache_per_token=width,
     )

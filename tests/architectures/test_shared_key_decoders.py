@@ -193,3 +193,19 @@ def test_a_rotary_decoder_refuses_the_collaborative_form(tmp_path, capsys):
                        tmp_path / "out")
     assert code != 0 and "shared-key form only" in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_the_plan_and_the_report_count_the_query_key_tensors_written(tmp_path):
+    from safetensors import safe_open
+
+    from collab_convert.compression import plan
+
+    build_family(family_case("gpt2"), tmp_path / "in")
+    options = CompressOptions(key_cache=0.5, output=tmp_path / "out")
+    planned = plan(str(tmp_path / "in"), options)
+    result = compress(str(tmp_path / "in"), options)
+    query_key = (".query_projection.", ".shared_key.", ".query_core", ".pass_core")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as weights:
+        written = sum(weights.get_tensor(name).numel() for name in weights.keys()
+                      if any(part in name for part in query_key))
+    assert planned.parameters_after == result.parameters_after == written
