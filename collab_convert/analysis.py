@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .architectures.families import forms_offered
 from .architectures.source import SourceModel, open_model
 from .decompose.costs import candidate_ranks, collaborative_cost, original_cost
 from .decompose.methods import FitRequest, method_named
@@ -42,7 +43,7 @@ def analyze(model: str, ranks: list[int] | None = None, progress: Progress = no_
             layers.append(_analyze_layer(source, layer, wanted, metrics))
         progress("analyzing", len(source.layers), len(source.layers))
         result = AnalysisResult(model=model, family=source.family.name, layers=layers,
-                                predictions=_predictions(layers, wanted))
+                                predictions=_predictions(layers, wanted), forms=forms_offered(source.config))
         if options.calibration is not None or options.target_cosine is not None:
             _measure_fidelity(source, settings, metrics, held_out, result, progress)
     finally:
@@ -170,7 +171,7 @@ def _analyze_rotary(source: SourceModel, model: str, options: AnalyzeOptions, pr
                                     key_spectrum))
     progress("analyzing", len(source.layers), len(source.layers))
     return AnalysisResult(model=model, family=source.family.name, layers=layers,
-                          predictions=_predictions(layers, widths))
+                          predictions=_predictions(layers, widths), forms=forms_offered(source.config))
 
 
 def _rotary_layer(source, layer, statistics, budgets, geometry_of, fit_shared_key, key_spectrum) -> LayerAnalysis:

@@ -274,6 +274,9 @@ def _analysis_advice(result) -> str:
     else:
         lines.append("Next: collab-convert analyze MODEL --target-cosine 0.99 names the rank that keeps embeddings "
                      "that close, or collab-convert compress MODEL --rank auto -o OUT picks it.")
+    if "shared-key" in result.forms:
+        lines.append(f"For the KV cache: collab-convert analyze {result.model} --form shared-key (each head keeps its "
+                     "query and one key is shared: the most fidelity per cached key number).")
     return "\n".join(lines)
 
 

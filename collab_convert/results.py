@@ -81,6 +81,7 @@ class AnalysisResult(_Data):
     probe: str | None = None  # the texts cosines were measured on
     # with a target: {"target_cosine", "rank", "cosine_mean", "cosine_p01"}, the smallest rank that reaches it
     target: dict[str, Any] | None = None
+    forms: list[str] = field(default_factory=list)  # the forms the model can take (compress --form)
     tool_version: str = __version__
 
 

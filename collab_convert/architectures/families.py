@@ -373,6 +373,18 @@ def family_for(config: dict[str, Any], form: str = "auto") -> Family:
     return family
 
 
+def forms_offered(config: dict[str, Any]) -> list[str]:
+    """The forms a config's model can take: "collaborative" and/or "shared-key"."""
+    forms = []
+    for form in ("collaborative", SHARED_KEY):
+        try:
+            family_for(config, form)
+        except UnsupportedModelError:
+            continue
+        forms.append(form)
+    return forms
+
+
 def _check_requirements(family: Family, config: dict[str, Any]) -> None:
     for key, allowed, reason in family.requires:
         if config.get(key) not in allowed:

@@ -160,6 +160,11 @@ def test_analyze_in_the_shared_key_form_costs_key_cache_budgets(tmp_path, capsys
     assert errors[0] == pytest.approx(0, abs=1e-6) and errors == sorted(errors)
     code, out, _ = run(capsys, "analyze", tmp_path / "in", "--form", "shared-key", "-q")
     assert code == 0 and "absolute positions" in out and "strongest frequencies" not in out
+    # in its default (CP) form, analyze says the other form exists and how to look at it
+    code, out, _ = run(capsys, "analyze", tmp_path / "in", "-q")
+    assert code == 0 and "--form shared-key" in out
+    code, out, _ = run(capsys, "analyze", tmp_path / "in", "--json")
+    assert json.loads(out)["forms"] == ["collaborative", "shared-key"]
 
 
 def test_the_default_form_of_an_absolute_decoder_stays_collaborative(tmp_path):
