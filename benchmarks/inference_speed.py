@@ -80,7 +80,7 @@ def decoder(scratch: Path, repeats: int, prompt_length: int) -> None:
     caches, nexts = {}, {}
     for name, model in models.items():
         out = model(input_ids=prompt, use_cache=True)
-        caches[name], nexts[name] = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        caches[name], nexts[name] = out.cache, out.logits[:, -1:].argmax(-1)
 
     def step(name):
         cache = caches[name]
