@@ -95,8 +95,11 @@ def test_distillation_needs_a_language_model(tiny_llama, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_the_collaborative_form_of_a_gpt2_is_distilled_too(tiny_llama, tmp_path):
-    # The CP form (shared query, shared key, mixing vectors, content bias) through the same stage.
+@pytest.mark.parametrize("form, budget, parts", [
+    ("collaborative", {"rank": 8}, ("mixing", "content_bias")),  # shared query and key, mixing, content bias
+    ("shared-key", {"key_cache": 0.25}, ("pass_core", "shared_key.weight")),  # per-head queries, one shared key
+])
+def test_both_forms_of_a_gpt2_are_distilled_too(form, budget, parts, tiny_llama, tmp_path):
     from fixtures.models import build_family, family_case
 
     _, texts = tiny_llama
@@ -106,11 +109,11 @@ def test_the_collaborative_form_of_a_gpt2_is_distilled_too(tiny_llama, tmp_path)
             block.attn.c_attn.weight[:, : 2 * 32].mul_(30)
     model.save_pretrained(tmp_path / "gpt2")
     save_tiny_tokenizer(tmp_path / "gpt2")
-    result = compress(str(tmp_path / "gpt2"), CompressOptions(rank=8, output=tmp_path / "out", calibration=texts,
-                                                              refine_steps=10, distill_steps=40))
+    result = compress(str(tmp_path / "gpt2"), CompressOptions(form=form, output=tmp_path / "out", calibration=texts,
+                                                              refine_steps=10, distill_steps=40, **budget))
     assert result.distillation["kl_after"] < result.distillation["kl_before"]
     names = set(tensors(tmp_path / "out"))
-    assert all(any(name.endswith(f"attn.{part}") for name in names) for part in ("mixing", "content_bias"))
+    assert all(any(name.endswith(f"attn.{part}") for name in names) for part in parts)
 
 
 def test_the_command_line_refuses_distillation_without_calibration_in_one_line(tiny_llama, tmp_path):
