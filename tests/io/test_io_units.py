@@ -61,6 +61,26 @@ def test_staged_output_appears_whole_on_commit_and_vanishes_otherwise(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped interrupt, as meant
+def test_an_interrupt_swallowed_on_its_way_still_stops_the_commit(tmp_path):
+    # Python drops an exception raised inside a destructor; the request is remembered all the same.
+    from collab_convert import interrupts
+
+    class Swallowing:
+        def __del__(self):
+            interrupts.request_interrupt()  # raises KeyboardInterrupt, which Python prints and drops here
+
+    try:
+        Swallowing()  # the interrupt lands in its destructor and is lost
+        with pytest.raises(KeyboardInterrupt):
+            with StagedOutput(tmp_path / "out") as staged:
+                (staged.folder / "model.safetensors").write_text("x")
+                staged.commit()
+        assert list(tmp_path.iterdir()) == []  # nothing committed, the staging folder gone
+    finally:
+        interrupts.forget_interrupt()
+
+
 def test_output_checks_refuse_overlap_and_occupied_folders(tmp_path):
     source = tmp_path / "model"
     (source / "sub").mkdir(parents=True)
