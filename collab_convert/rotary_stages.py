@@ -1,4 +1,5 @@
-"""The stages of compressing a rotary decoder into the shared rotary key form (decompose/rotary.py).
+"""The stages of compressing into the shared-key form (decompose/rotary.py): rotary decoders, and models with
+absolute or relative positions asked for it (--form shared-key; no rotated dimension, all pass-through).
 
     statistics per layer (from the weights, or from the model run on calibration text)
     ->  one key-cache budget spread over layers and frequencies (allocate)

@@ -3,7 +3,8 @@
 A family says which config `model_type`s it covers, where its attention modules sit (regexes over module /
 tensor-name prefixes, each with the config key that gives its head count) and how their query/key
 projections are laid out (layouts.py). The collaborative module keeps the original forward (modeling/), so
-adding a family whose layout exists is one entry in FAMILIES and a test.
+adding a family whose layout exists is one entry in FAMILIES and a test. Rotary decoders (ROTARY_FAMILIES) take
+the shared-key form; SHARED_KEY_FAMILIES offer that form to families whose default is the CP form.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ Scores: all heads' shared-basis queries against the cached shared key in one mat
 once for every head; values stay grouped as in the original. Each head's query enters the shared basis through
 one kept matrix before RoPE and is rotated there with the key's tables (query_basis_matrix): fewer small
 operations per decode step than rotating it per head and applying its core slot by slot.
+
+The same modules serve the shared-key form of models with absolute or relative positions (GPT-2, OPT,
+GPTBigCode; BART and T5 with forwards of their own below, for encoder-decoder attention, its cache and T5's
+position bias): no RoPE tables arrive and no dimension rotates, the whole shared key is pass-through.
 """
 
 from __future__ import annotations
