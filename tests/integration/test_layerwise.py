@@ -111,10 +111,11 @@ def test_calibrated_compress_leaves_no_scratch_behind(tiny_bert, calibration_fil
     assert [p.name for p in tmp_path.iterdir() if "collab-tmp" in p.name] == []
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "phi", "gpt_neox"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "phi", "gpt_neox", "gpt2-shared-key"])
 def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, monkeypatch):
-    """The rotary capture (queries, keys and values from each module's own inputs, RoPE tables from its call)
-    gives the same per-frequency statistics and samples when the model runs a block at a time."""
+    """The shared-key capture (queries, keys and values from each module's own inputs, RoPE tables from its call;
+    none for GPT-2's absolute positions) gives the same statistics and samples when the model runs a block at a
+    time."""
     from collab_convert.integration.capture import collect_rotary_statistics
     from collab_convert.rotary_stages import geometry_of
     from collab_convert.format import HeadCounts
@@ -122,8 +123,11 @@ def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, mon
 
     monkeypatch.setattr(capture, "_tokenizer", lambda folder: CharacterTokenizer())
     monkeypatch.setattr(capture, "BATCH_SEQUENCES", 5)  # several batches, as above
-    build_rotary(next(case for case in ROTARY_CASES if case.name == name), tmp_path / name)
-    source = open_model(str(tmp_path / name))
+    if name.endswith("-shared-key"):
+        build_family(family_case(name.removesuffix("-shared-key")), tmp_path / name)
+    else:
+        build_rotary(next(case for case in ROTARY_CASES if case.name == name), tmp_path / name)
+    source = open_model(str(tmp_path / name), "shared-key")
     try:
         layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads), layer.causal)
                   for layer in source.layers}
