@@ -7,7 +7,7 @@ compression of a one-layer model of the same width (one-time lazy loading of lib
 grows with the model). Streaming means: one input shard mapped, one layer's math and
 one tensor in flight at a time, so the peak stays flat as the model grows.
 
-    python benchmarks/memory.py [--calibration DOCUMENTS]
+    python benchmarks/memory.py [--calibration DOCUMENTS] [--form shared-key]
 
 --calibration N compresses with calibration on N Brown documents (about 200 words each, see
 calibration_documents.py) and the default refinement: the model then runs on text, a block at a time, its
@@ -92,8 +92,10 @@ def main() -> None:
     parser.add_argument("--calibration", type=int, default=0, help="calibrate on this many Brown documents")
     parser.add_argument("--refine-steps", type=int, default=20,
                         help="with --calibration: refinement steps per layer (memory does not grow with them)")
+    parser.add_argument("--form", default="auto", help="compress --form: collaborative (the default here) or "
+                        "shared-key (--rank is then the shared key's width)")
     args = parser.parse_args()
-    settings = {}
+    settings = {"form": args.form}
     print(f"{'layers':>6} {'checkpoint':>11} {'shards':>7} {'peak above baseline':>20} {'share':>7} {'seconds':>8}")
     with tempfile.TemporaryDirectory() as scratch:
         if args.calibration:
@@ -103,8 +105,8 @@ def main() -> None:
             texts = Path(scratch) / "documents.txt"
             fitted, held_out = documents()
             texts.write_text("\n".join(fitted[: args.calibration] + held_out[:32]) + "\n")
-            settings = {"calibration": str(texts), "calibration_samples": args.calibration,
-                        "refine_steps": args.refine_steps}
+            settings.update(calibration=str(texts), calibration_samples=args.calibration,
+                            refine_steps=args.refine_steps)
             print(f"calibration: {args.calibration} documents, fidelity measured on 32 held-out ones")
         warmup = Path(scratch) / "gpt2-warmup"
         build(warmup, 1, bool(args.calibration))

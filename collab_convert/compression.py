@@ -162,7 +162,7 @@ def _rotary(source: SourceModel, options: CompressOptions, texts: list[str] | No
     if texts is not None:
         statistics, calibrations, calibration = calibrated_statistics(source, options, texts, progress, scratch)
     else:
-        statistics = model_weight_statistics(source)
+        statistics = model_weight_statistics(source, scratch)
     ranks = allocate_ranks(source, statistics, width)
     choice = {"mode": "key-cache budget", "numbers_per_token_and_layer": width,
               "share_of_key_cache": round(width / max(layer.full_rank for layer in source.layers), 4),

@@ -9,6 +9,7 @@ absolute or relative positions asked for it (--form shared-key; no rotated dimen
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ from .format import (
     HeadCounts,
     write_config,
 )
+from .io.spill import SpillFolder
 from .io.tensors import parse_size
 from .options import CompressOptions
 from .progress import DETAIL, Progress
@@ -117,13 +119,32 @@ def weight_statistics(source: SourceModel, layer: AttentionLayer) -> KeyStatisti
     return statistics_of(queries, keys, geometry)
 
 
-def model_weight_statistics(source: SourceModel) -> dict[str, KeyStatistics]:
-    """Weight-only statistics of every layer, one input shard mapped at a time, as when streaming."""
-    statistics = {}
+def model_weight_statistics(source: SourceModel, scratch: Path | None = None) -> MutableMapping[str, KeyStatistics]:
+    """Weight-only statistics of every layer, one input shard mapped at a time, as when streaming. With a
+    `scratch` folder they wait on disk: a layer without rotation holds a (G d)^2 key covariance, 8 MB at
+    GPT-2-medium's width, which over all layers would grow the peak with depth."""
+    statistics = SpillFolder(scratch / "key-statistics") if scratch is not None else {}
     for layer in source.layers:
         source.reader.release_all_but(layer.anchor)
         statistics[layer.prefix] = weight_statistics(source, layer)
     return statistics
+
+
+class _StatisticsOf(Mapping):
+    """Each layer's statistics, read from its calibration record when asked (the records may wait on disk:
+    holding every layer's statistics at once would grow the peak with depth)."""
+
+    def __init__(self, calibrations: Mapping):
+        self.calibrations = calibrations
+
+    def __getitem__(self, prefix: str) -> KeyStatistics:
+        return self.calibrations[prefix].statistics
+
+    def __iter__(self):
+        return iter(self.calibrations)
+
+    def __len__(self) -> int:
+        return len(self.calibrations)
 
 
 def _input_norm(source: SourceModel, layer: AttentionLayer):
@@ -200,12 +221,12 @@ def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: 
                      "the energy of the queries that read them",
         "refinement": refinement,
     }
-    return {p: c.statistics for p, c in calibrations.items()}, calibrations, calibration
+    return _StatisticsOf(calibrations), calibrations, calibration
 
 
 # --- budget and fit ----------------------------------------------------------------------------------------------
 
-def allocate_ranks(source: SourceModel, statistics: dict[str, KeyStatistics], width: int) -> dict[str, KeyRanks]:
+def allocate_ranks(source: SourceModel, statistics: Mapping[str, KeyStatistics], width: int) -> dict[str, KeyRanks]:
     """One budget of width x layers numbers per token, spread where the most score energy stays."""
     spectra = [_shares(key_spectrum(statistics[layer.prefix], geometry_of(layer))) for layer in source.layers]
     ranks = allocate(spectra, width * len(source.layers))
@@ -221,7 +242,7 @@ def _shares(spectrum: KeySpectrum) -> KeySpectrum:
 
 
 def convert_rotary_weights(source: SourceModel, options: CompressOptions, folder: Path, progress: Progress,
-                           ranks: dict[str, KeyRanks], statistics: dict[str, KeyStatistics], calibrations=None,
+                           ranks: dict[str, KeyRanks], statistics: Mapping[str, KeyStatistics], calibrations=None,
                            finished=None):
     layout, normed = source.family.layout, key_norm(source)
 
