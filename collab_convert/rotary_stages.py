@@ -74,8 +74,9 @@ def layer_width(source: SourceModel, options: CompressOptions) -> int:
         )
     for layer in source.layers:
         layer.check_rank(width)
-    least = 1 if source.family.absolute_positions else 2
-    if width < least:
+    if source.family.absolute_positions and width < 1:
+        raise BadInputError(f"a shared key needs at least 1 number per token, got {width}")
+    if not source.family.absolute_positions and width < 2:
         raise BadInputError(f"a shared rotary key needs at least 2 numbers per token (one complex dimension), "
                             f"got {width}")
     return width

@@ -177,6 +177,7 @@ def test_the_default_form_of_an_absolute_decoder_stays_collaborative(tmp_path):
     ("bert", ("--form", "shared-key", "--key-cache", "0.5"), "not offered for model_type 'bert'"),
     ("bert", ("--key-cache", "0.5"), "not offered for model_type 'bert'"),
     ("gpt2", ("--form", "collaborative", "--key-cache", "0.5"), "--key-cache"),
+    ("gpt2", ("--key-cache", "0.001"), "at least 1 number per token, got 0"),
     ("opt-post-norm", ("--form", "shared-key", "--key-cache", "0.5"), "do_layer_norm_before"),
 ])
 def test_a_form_that_is_not_offered_is_refused_in_one_line(family, arguments, fragment, tmp_path, capsys):
