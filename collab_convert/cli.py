@@ -220,7 +220,8 @@ def _print_analysis(result) -> None:
 
 def _rotary_spread(result, labels) -> Table:
     rotary = any(layer.frequency_spectra for layer in result.layers)  # none: absolute positions, nothing rotates
-    columns = ["layer", "heads x d (key heads)", "shared key"] + (["strongest frequencies (#0 fastest)"] if rotary else [])
+    columns = ["layer", "heads x d (key heads)", "shared key"]
+    columns += ["strongest frequencies (#0 fastest)"] if rotary else []
     table = _table(f"{result.model} ({result.family}, {'rotary' if rotary else 'absolute positions'}): shared key "
                    "numbers per token holding 90/95/99% of the score energy", *columns)
     for layer in result.layers:

@@ -24,7 +24,8 @@ class _ModelInputs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # architectures/families.py: rotary decoders take the shared-key form only; GPT-2, OPT, GPTBigCode, BART, T5 offer it
+    # architectures/families.py: rotary decoders take the shared-key form only; GPT-2, OPT, GPTBigCode, BART and
+    # T5 offer it
     form: Literal["auto", "collaborative", "shared-key"] = Field(
         "auto",
         description="collaborative: heads share one query and one key, each with a mixing vector (fewest "

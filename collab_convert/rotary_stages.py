@@ -258,8 +258,9 @@ def convert_rotary_weights(source: SourceModel, options: CompressOptions, folder
         calibration = calibrations[layer.prefix] if calibrations else None
         stage = "refining" if calibration is not None and calibration.samples and options.refine_steps else "fitting"
         progress(f"{stage}{DETAIL}{labels[layer.prefix]}", source.layers.index(layer), len(source.layers))
-        return _fit_layer(source, layer, ranks[layer.prefix], statistics[layer.prefix], normed, calibration,
-                          options)
+        # a calibration record carries the statistics: one read of it, not two (it may wait on disk)
+        layer_statistics = calibration.statistics if calibration is not None else statistics[layer.prefix]
+        return _fit_layer(source, layer, ranks[layer.prefix], layer_statistics, normed, calibration, options)
 
     refined = bool(calibrations and options.refine_steps)  # refinement holds calibration samples: one layer at a time
     return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import UnsupportedModelError
@@ -256,60 +256,40 @@ ROTARY_FAMILIES: tuple[Family, ...] = (
 FAMILIES = FAMILIES + ROTARY_FAMILIES
 
 SHARED_KEY = "shared-key"
-# Absolute-position decoders (and encoder-decoders) in the shared-key form (--form shared-key): each head keeps its query (bias and
-# all, so no content bias is needed), one shared key of R numbers per token replaces the key heads. At equal
-# cache it keeps far more of the scores than the CP form; the CP form saves more parameters. A family here has
-# the same model_types as its CP entry above; family_for picks one by the form asked for.
+
+
+def _shared_key_form(name: str, layout: RotaryProjections, **changes) -> Family:
+    """The shared-key entry of the CP family `name`: the same model_types, sites, head counts, requirements and
+    position bias, a shared-key layout, and nothing rotating."""
+    family = next(f for f in FAMILIES if f.name == name)
+    return replace(family, **{"name": f"{name}-{SHARED_KEY}", "layout": layout, "forward": None,
+                              "absolute_positions": True, **changes})
+
+
+# Absolute-position decoders (and encoder-decoders) in the shared-key form (--form shared-key): each head keeps
+# its query (bias and all, so no content bias is needed), one shared key of R numbers per token replaces the key
+# heads. At moderate cuts of the cache it keeps more of the scores than the CP form; the CP form saves more
+# parameters. family_for picks an entry here or its CP twin by the form asked for.
 SHARED_KEY_FAMILIES: tuple[Family, ...] = (
-    Family(
-        name="gpt2-shared-key",
-        model_types=("gpt2",),
-        sites=(Site(r"(^|\.)h\.\d+\.attn$", "n_head", causal=True),),
-        layout=RotaryProjections(fused="c_attn", conv1d=True, output="c_proj", output_dropout="resid_dropout",
-                                 dropout="attn_dropout", input_norm="ln_1"),
-        requires=next(f for f in FAMILIES if f.name == "gpt2").requires,
-        absolute_positions=True,
-    ),
-    Family(
-        name="gpt_bigcode-shared-key",
-        model_types=("gpt_bigcode",),
-        sites=(Site(r"(^|\.)h\.\d+\.attn$", "n_head", causal=True),),
-        layout=RotaryProjections(fused="c_attn", output="c_proj", output_dropout="resid_dropout",
-                                 dropout="attn_dropout", input_norm="ln_1"),
-        kv_heads=lambda config: 1,
-        requires=next(f for f in FAMILIES if f.name == "gpt_bigcode").requires,
-        absolute_positions=True,
-    ),
-    Family(
-        name="opt-shared-key",
-        model_types=("opt",),
-        sites=(Site(r"(^|\.)decoder\.layers\.\d+\.self_attn$", causal=True),),
-        layout=RotaryProjections(output="out_proj", dropout="dropout", input_norm="self_attn_layer_norm"),
+    _shared_key_form("gpt2", RotaryProjections(fused="c_attn", conv1d=True, output="c_proj",
+                                               output_dropout="resid_dropout", dropout="attn_dropout",
+                                               input_norm="ln_1")),
+    _shared_key_form("gpt_bigcode", RotaryProjections(fused="c_attn", output="c_proj", output_dropout="resid_dropout",
+                                                      dropout="attn_dropout", input_norm="ln_1")),
+    _shared_key_form(
+        "opt", RotaryProjections(output="out_proj", dropout="dropout", input_norm="self_attn_layer_norm"),
         # A post-norm OPT (opt-350m) has no norm in front of its attention to tell the input scales
         requires=(("do_layer_norm_before", (None, True), "the shared-key form reads the scale of the norm in front "
                    "of attention, which a post-norm OPT does not have; its default (CP) form works"),),
-        absolute_positions=True,
     ),
-    Family(
-        # Every attention module takes the form (encoder, decoder, encoder-decoder); the decoder's caches hold
-        # the shared keys. BART normalises after attention, so weight-only fits take isotropic inputs.
-        name="bart-shared-key",
-        model_types=("bart", "mbart", "marian", "pegasus"),
-        sites=next(f for f in FAMILIES if f.name == "bart").sites,
-        layout=RotaryProjections(output="out_proj", dropout="dropout", input_norm=None),
-        forward=bart_shared_key_forward,
-        absolute_positions=True,
-    ),
-    Family(
-        # The relative position bias and the unscaled scores stay as they are (calibration reads the bias).
-        name="t5-shared-key",
-        model_types=("t5", "mt5"),
-        sites=next(f for f in FAMILIES if f.name == "t5").sites,
-        layout=RotaryProjections(query="q", key="k", value="v", output="o", dropout="dropout", input_norm=None),
-        forward=t5_shared_key_forward,
-        position_bias=_t5_position_bias,
-        absolute_positions=True,
-    ),
+    # Every attention module takes the form (encoder, decoder, encoder-decoder); the decoder's caches hold the
+    # shared keys. BART normalises after attention, so weight-only fits take isotropic inputs.
+    _shared_key_form("bart", RotaryProjections(output="out_proj", dropout="dropout", input_norm=None),
+                     forward=bart_shared_key_forward),
+    # T5's relative position bias and unscaled scores stay as they are (calibration reads the bias).
+    _shared_key_form("t5", RotaryProjections(query="q", key="k", value="v", output="o", dropout="dropout",
+                                             input_norm=None),
+                     forward=t5_shared_key_forward),
 )
 
 # Families the collaborative form cannot represent exactly, and why. Checked before FAMILIES.

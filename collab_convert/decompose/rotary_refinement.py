@@ -2,10 +2,10 @@
 
 The weighted PCA (rotary.py) keeps the most score energy, but softmax only listens to the keys that win.
 Layer by layer, Adam adjusts the key mixing and the per-head cores so that each head's attention on
-calibration sequences (causal in decoders; T5's position bias added) matches the original's. Stochastic, as the CP refinement is: each
-step sees a few sequences and a few sampled query positions, so its cost does not grow with the calibration
-set; a held-out tenth of the sequences decides when to stop and which parameters to keep (the start counts,
-so the result is never worse there than the PCA it started from).
+calibration sequences (causal in decoders; T5's position bias added) matches the original's. Stochastic, as
+the CP refinement is: each step sees a few sequences and a few sampled query positions, so its cost does not
+grow with the calibration set; a held-out tenth of the sequences decides when to stop and which parameters to
+keep (the start counts, so the result is never worse there than the PCA it started from).
 """
 
 from __future__ import annotations

@@ -417,7 +417,8 @@ class _RotaryObserver:
         """The relative position bias the module adds to its scores (T5's), (N_h, n, m), for refinement."""
         if self.family.position_bias is None:
             return None
-        bias = self.family.position_bias(module, inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments)
+        arguments = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        bias = self.family.position_bias(module, arguments)
         return bias[0].detach().float().clone() if isinstance(bias, torch.Tensor) else None
 
     def finished(self, prefix: str) -> RotaryCalibration:

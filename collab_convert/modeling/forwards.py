@@ -46,7 +46,7 @@ def opt_forward(self, hidden_states, cache=None, attention_mask=None, output_att
 def gpt_bigcode_forward(self, hidden_states, layer_past=None, attention_mask=None, **kwargs):
     """GPTBigCodeAttention.forward (transformers 5, multi-query self-attention), whose c_attn split names
     its widths, with collaborative queries and keys. Values keep their single shared head."""
-    layer_past = _self_attention_cache(layer_past, kwargs, "past_key_values", "cache")
+    layer_past = self_attention_cache(layer_past, kwargs, "past_key_values", "cache")
     input_shape = hidden_states.shape[:-1]
     queries, keys = self.shared_heads(hidden_states)
     values = getattr(self, FUSED_VALUE)(hidden_states).unsqueeze(1)  # (B, 1, n, d): one value head
@@ -58,7 +58,7 @@ def gpt_bigcode_forward(self, hidden_states, layer_past=None, attention_mask=Non
 def gpt2_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
     """GPT2Attention.forward (transformers 5, self-attention: the family refuses cross-attention and the upcast
     path), with collaborative queries and keys, so its cache stores exactly the packed shared key."""
-    cache = _self_attention_cache(cache, kwargs, "past_key_values", "layer_past")
+    cache = self_attention_cache(cache, kwargs, "past_key_values", "layer_past")
     input_shape = hidden_states.shape[:-1]
     queries, keys = self.shared_heads(hidden_states)
     values = getattr(self, FUSED_VALUE)(hidden_states)
@@ -154,7 +154,7 @@ def encoder_decoder_keys(self, hidden_states, key_value_states, cache, keys_and_
     return keys, values
 
 
-def _self_attention_cache(cache, kwargs: dict, *other_names: str):
+def self_attention_cache(cache, kwargs: dict, *other_names: str):
     """The cache a self-attention-only family's forward uses: the one passed, else one under the original's
     other argument names; the self-attention part of an EncoderDecoderCache. Arguments the original forward
     takes but a self-attention-only family does not use leave `kwargs`, so they do not reach the attention

@@ -25,7 +25,7 @@ from torch import nn
 from ..decompose.rotary_ops import query_basis_matrix, rotate_slots
 from ..format import HeadCounts
 from .attention import is_tracing
-from .forwards import encoder_decoder_keys, past_seen_tokens, t5_position_bias
+from .forwards import encoder_decoder_keys, past_seen_tokens, self_attention_cache, t5_position_bias
 
 
 class RotarySharedKeyMixin:
@@ -60,7 +60,7 @@ class RotarySharedKeyMixin:
                                   self.rotary_dim, self.rotary_dim + pass_core.shape[1])
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
-        cache = _cache_argument(kwargs)
+        cache = self_attention_cache(kwargs.pop("cache", None), kwargs, "past_key_values", "layer_past")
         layout, heads = self.rotary_layout, self.rotary_heads
         batch, length = hidden_states.shape[:2]
         query = layout.queries(self, hidden_states, heads.num_heads).transpose(1, 2)  # (b, N_h, n, d)
@@ -125,16 +125,6 @@ def t5_shared_key_forward(self, hidden_states, mask=None, key_value_states=None,
                                            position_bias=position_bias)
     output = self.rotary_layout.output_projection(self, output.reshape(batch, length, -1).contiguous())
     return output, position_bias, weights
-
-
-def _cache_argument(kwargs: dict):
-    """The KV cache under any of the names the families pass it by (the self-attention part of an
-    encoder-decoder cache, as GPT-2's blocks may hand one); the others leave kwargs."""
-    cache = None
-    for name in ("cache", "past_key_values", "layer_past"):
-        found = kwargs.pop(name, None)
-        cache = found if cache is None else cache
-    return getattr(cache, "self_attention_cache", cache)
 
 
 def _additive(mask: torch.Tensor | None, module, queries: int, keys: int, dtype, device) -> torch.Tensor | None:
