@@ -12,7 +12,7 @@ is never built. Pure torch: no Hugging Face, no files.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,8 @@ class HeadProducts:
 
     query_heads: torch.Tensor  # (N_h, d_k, D_in): rows of W_Q belonging to head i
     key_heads: torch.Tensor  # (N_h, d_k, D_in)
+    # ||T||^2, once: every relative error of a fit divides by it
+    _squared_norm: float | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_projections(cls, query_weight: torch.Tensor, key_weight: torch.Tensor, num_heads: int) -> "HeadProducts":
@@ -61,9 +63,11 @@ class HeadProducts:
 
     def squared_norm(self) -> float:
         """sum_i ||T[i]||_F^2 = sum_i tr((Q_i Q_i^T)(K_i K_i^T)), from d_k x d_k Gram blocks."""
-        qq = self.query_heads @ self.query_heads.transpose(1, 2)
-        kk = self.key_heads @ self.key_heads.transpose(1, 2)
-        return float((qq * kk).sum())
+        if self._squared_norm is None:
+            qq = self.query_heads @ self.query_heads.transpose(1, 2)
+            kk = self.key_heads @ self.key_heads.transpose(1, 2)
+            self._squared_norm = float((qq * kk).sum())
+        return self._squared_norm
 
     def dense(self) -> torch.Tensor:
         """The dense N_h x D_in x D_in tensor. For tests and the reference method only."""
