@@ -11,6 +11,7 @@ from .version import __version__
 
 def rounded(values) -> list[float]:
     """Numbers for a report: plain floats, six decimals."""
+    values = values.tolist() if hasattr(values, "tolist") else values  # not one 0-d tensor per element
     return [round(float(v), 6) for v in values]
 
 

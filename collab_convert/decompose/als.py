@@ -218,13 +218,10 @@ class _FactoredALS:
     def __init__(self, core: HeadProducts, dtype: torch.dtype, device: str | torch.device = "cpu"):
         self.norm = core.squared_norm()
         self.heads = core.query_heads.shape[:2]
-        query_rows = core.query_heads.reshape(-1, core.query_heads.shape[2])  # (N_h d_k, r_q)
-        key_rows = core.key_heads.reshape(-1, core.key_heads.shape[2])
-        self.query_rows, self.key_rows = (t.to(device=device, dtype=dtype) for t in (query_rows, key_rows))
-        # formed in the core's precision: every sweep multiplies by them
-        self.query_cross, self.key_cross = (
-            (rows @ rows.T).to(device=device, dtype=dtype) for rows in (query_rows, key_rows)
+        self.query_rows, self.key_rows = (  # (N_h d_k, D_in): every head's rows, stacked
+            heads.reshape(-1, heads.shape[2]).to(device=device, dtype=dtype) for heads in (core.query_heads, core.key_heads)
         )
+        self.query_cross, self.key_cross = (rows @ rows.T for rows in (self.query_rows, self.key_rows))
 
     def start(self, q, k, m, error: float) -> _ALSState:
         """A state whose key side is ready for a sweep (a sweep's first update reads only k and m)."""
@@ -249,9 +246,8 @@ class _FactoredALS:
 
     def extrapolate(self, previous: _ALSState, current: _ALSState, step: float) -> _ALSState:
         """The state at current + (step - 1) (current - previous), with its best mixing."""
-        def ahead(name: str) -> torch.Tensor:
-            now = getattr(current, name)
-            return now + (step - 1.0) * (now - getattr(previous, name))
+        def ahead(name: str) -> torch.Tensor:  # previous + step (current - previous), in one pass
+            return torch.lerp(getattr(previous, name), getattr(current, name), step)
 
         qw, kw, qproj, kproj = (ahead(name) for name in ("query_weights", "key_weights", "query_projected",
                                                            "key_projected"))
