@@ -24,14 +24,23 @@ def per_head_truncation(products: HeadProducts, rank: int) -> CollaborativeFacto
     The R kept directions are the R largest singular values over all heads (a head keeps at most d_k), which
     minimises the error among forms whose mixing vectors select disjoint blocks. At R = N_h d_k it is exact.
     """
+    return _per_head_truncation(products, rank)[0]
+
+
+def _per_head_truncation(products: HeadProducts, rank: int) -> tuple[CollaborativeFactors, float]:
+    """(the best per-head truncation, its relative error): the error is the energy of the singular values
+    it drops, exact and without cancellation."""
     heads, d_k, _ = products.query_heads.shape
     # T_i = Q_i^T K_i = (Uq Rq)... : thin QR of each side, then an SVD of the d_k x d_k middle.
-    qa, ra = torch.linalg.qr(products.query_heads.transpose(1, 2), mode="reduced")  # (H, D, d), (H, d, d)
-    qb, rb = torch.linalg.qr(products.key_heads.transpose(1, 2), mode="reduced")
+    qa, ra = products.head_bases("query")  # (H, D, d), (H, d, d)
+    qb, rb = products.head_bases("key")
     u, s, vh = torch.linalg.svd(ra @ rb.transpose(1, 2))  # (H, d, d)
     left = qa @ u  # (H, D, d)
     right = qb @ vh.transpose(1, 2)
     order = torch.argsort(s.reshape(-1), descending=True, stable=True)[:rank]
+    energy = s.reshape(-1) ** 2
+    total = float(energy.sum())
+    error = math.sqrt(max(total - float(energy[order].sum()), 0.0) / total) if total > 0 else 0.0
     head_of = order // d_k
     index_in_head = order % d_k
     # Keep each head's directions together and in order, which makes the result easy to read and stable.
@@ -44,7 +53,7 @@ def per_head_truncation(products: HeadProducts, rank: int) -> CollaborativeFacto
     mixing[head_of, torch.arange(len(order))] = 1.0
     factors = CollaborativeFactors(shared_query, shared_key, mixing)
     # more rank than the heads have directions: pad with inert columns
-    return _pad(factors, rank) if len(order) < rank else factors
+    return (_pad(factors, rank) if len(order) < rank else factors), error
 
 
 def shared_subspace_init(products: HeadProducts, subspaces: TuckerSubspaces, rank: int) -> CollaborativeFactors:
@@ -127,11 +136,10 @@ def fit_collaborative(
     if rank < 1:
         raise ValueError(f"rank must be at least 1, got {rank}")
     subspaces = tucker_subspaces(products)
-    candidates = {
-        "per-head truncation": per_head_truncation(products, rank),
-        "shared subspace": shared_subspace_init(products, subspaces, rank),
-    }
-    errors = {name: relative_error(products, f) for name, f in candidates.items()}
+    truncation, truncation_error = _per_head_truncation(products, rank)
+    shared = shared_subspace_init(products, subspaces, rank)
+    candidates = {"per-head truncation": truncation, "shared subspace": shared}
+    errors = {"per-head truncation": truncation_error, "shared subspace": relative_error(products, shared)}
     init_name = min(errors, key=errors.get)
     factors, history, iterations = candidates[init_name], [errors[init_name]], 0
     # At full rank the per-head start is exact; the factored error formula only resolves it to ~1e-8.

@@ -28,8 +28,9 @@ class HeadProducts:
 
     query_heads: torch.Tensor  # (N_h, d_k, D_in): rows of W_Q belonging to head i
     key_heads: torch.Tensor  # (N_h, d_k, D_in)
-    # ||T||^2, once: every relative error of a fit divides by it
+    # ||T||^2 and each side's per-head QR, once: a fit's starts, spectra and errors all read them
     _squared_norm: float | None = field(default=None, init=False, repr=False, compare=False)
+    _head_bases: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_projections(cls, query_weight: torch.Tensor, key_weight: torch.Tensor, num_heads: int) -> "HeadProducts":
@@ -68,6 +69,14 @@ class HeadProducts:
             kk = self.key_heads @ self.key_heads.transpose(1, 2)
             self._squared_norm = float((qq * kk).sum())
         return self._squared_norm
+
+    def head_bases(self, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Thin QR of every head's rows on one side ("query" or "key"), transposed: heads[i]^T = basis[i] @
+        triangle[i], with basis (N_h, D_in, d_k) orthonormal and triangle (N_h, d_k, d_k)."""
+        if side not in self._head_bases:
+            heads = self.query_heads if side == "query" else self.key_heads
+            self._head_bases[side] = torch.linalg.qr(heads.transpose(1, 2), mode="reduced")
+        return self._head_bases[side]
 
     def dense(self) -> torch.Tensor:
         """The dense N_h x D_in x D_in tensor. For tests and the reference method only."""

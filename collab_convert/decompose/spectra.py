@@ -20,24 +20,22 @@ class Spectra:
     head_unfolding: torch.Tensor  # of the head mode (N_h x D_in^2)
 
 
-def _block_cholesky_factor(heads: torch.Tensor) -> torch.Tensor:
-    """R_i^T with heads[i] heads[i]^T = R_i^T R_i, via QR of heads[i]^T (stable, no squaring)."""
-    _, r = torch.linalg.qr(heads.transpose(1, 2), mode="reduced")  # (H, d_k, d_k)
-    return r.transpose(1, 2)
-
-
 def query_side_matrix(products: HeadProducts) -> torch.Tensor:
     """A D_in x (N_h d_k) matrix with the same left singular vectors and values as the query unfolding.
 
-    [T_1 ... T_N] [T_1 ... T_N]^T = sum_i Q_i^T (K_i K_i^T) Q_i = sum_i (Q_i^T R_i^T)(Q_i^T R_i^T)^T.
+    [T_1 ... T_N] [T_1 ... T_N]^T = sum_i Q_i^T (K_i K_i^T) Q_i = sum_i (Q_i^T R_i^T)(Q_i^T R_i^T)^T, with
+    K_i K_i^T = R_i^T R_i from the thin QR of K_i^T (stable, no squaring).
     """
-    r_t = _block_cholesky_factor(products.key_heads)  # (H, d_k, d_k)
-    blocks = products.query_heads.transpose(1, 2) @ r_t  # (H, D_in, d_k)
-    return blocks.permute(1, 0, 2).reshape(products.input_dim, -1)
+    return _side_matrix(products.query_heads, products.head_bases("key")[1])
 
 
 def key_side_matrix(products: HeadProducts) -> torch.Tensor:
-    return query_side_matrix(HeadProducts(products.key_heads, products.query_heads))
+    return _side_matrix(products.key_heads, products.head_bases("query")[1])
+
+
+def _side_matrix(heads: torch.Tensor, other_triangle: torch.Tensor) -> torch.Tensor:
+    blocks = heads.transpose(1, 2) @ other_triangle.transpose(1, 2)  # (H, D_in, d_k)
+    return blocks.permute(1, 0, 2).reshape(heads.shape[2], -1)
 
 
 def head_gram(products: HeadProducts) -> torch.Tensor:
