@@ -81,6 +81,36 @@ def test_heads_that_truly_collaborate_are_recovered_exactly():
     assert fit.relative_error < 1e-3
 
 
+def test_per_head_truncation_reports_the_error_of_the_directions_it_drops():
+    from collab_convert.decompose.als import _per_head_truncation
+
+    products = random_products(heads=5, head_dim=6, d_in=24, seed=6)
+    for rank in (1, 7, 18, 30):
+        factors, error = _per_head_truncation(products, rank)
+        assert error == pytest.approx(dense_error(products, factors), abs=1e-9)
+
+
+def test_identical_heads_start_from_the_shared_subspace_and_are_exact_at_head_width():
+    # every head scales one product of rank d_k: per-head truncation at R = d_k keeps one head's directions
+    # and leaves the others' scale to the mixing, the shared start holds all of them at once
+    g = torch.Generator().manual_seed(7)
+    query_one, key_one = torch.randn(6, 30, generator=g), torch.randn(6, 30, generator=g)
+    scales = torch.tensor([1.0, -0.5, 2.0, 0.25])
+    products = HeadProducts.from_projections(torch.cat([query_one * c for c in scales]), key_one.repeat(4, 1), 4)
+    fit = fit_collaborative(products, 6)
+    assert fit.initialisation == "shared subspace"
+    assert fit.initial_error < 1e-6 and dense_error(products, fit.factors) < 1e-6
+
+
+def test_spectra_of_the_fit_match_the_unfoldings_to_float32_resolution():
+    products = random_products(heads=6, head_dim=8, d_in=32, seed=8)
+    fit = fit_collaborative(products, 40)  # above the shared start's ranks: eigenvalues alone
+    dense = products.dense()
+    query_unfolding = dense.permute(1, 0, 2).reshape(products.input_dim, -1)
+    expected = torch.linalg.svdvals(query_unfolding)
+    assert torch.allclose(fit.query_spectrum[:32], expected, rtol=1e-4, atol=1e-4 * float(expected[0]))
+
+
 def test_als_error_history_never_increases():
     products = random_products(heads=5, head_dim=6, d_in=24, seed=4)
     fit = fit_collaborative(products, 12, max_iterations=200)
