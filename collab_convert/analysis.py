@@ -84,7 +84,8 @@ def _analyze_layer(source: SourceModel, layer, ranks: list[int], metrics) -> Lay
         fit = method_named(DEFAULT_METHOD).fit(FitRequest(
             products, at, query_metric=metric.query if metric else None, key_metric=metric.key if metric else None,
         ))
-        cost = collaborative_cost(layer.shape, at, layer.stores_content_bias(metric is not None)).as_dict()
+        cost = collaborative_cost(layer.shape, at, layer.stores_content_bias(metric is not None))
+        cost = cost.cached(layer.caches_keys).as_dict()
         candidates.append({**cost, "relative_error": round(fit.relative_error, 6),
                            "logit_error": None if fit.logit_error is None else round(fit.logit_error, 6)})
     return LayerAnalysis(
@@ -98,7 +99,7 @@ def _analyze_layer(source: SourceModel, layer, ranks: list[int], metrics) -> Lay
             for k, v in views.items()
             if k != "head_unfolding"
         },
-        original=original_cost(layer.shape, layer.has_query_bias).as_dict(),
+        original=original_cost(layer.shape, layer.has_query_bias).cached(layer.caches_keys).as_dict(),
         candidates=candidates,
     )
 
@@ -193,7 +194,7 @@ def _rotary_layer(source, layer, statistics, budgets, geometry_of, fit_shared_ke
         factors = fit_shared_key(statistics, geometry, ranks[layer.prefix])
         cost = shared_rotary_cost(_shape(source, layer), ranks[layer.prefix].width,
                                   factors.query_core.numel(), factors.pass_core.numel(),
-                                  has_bias=layer.has_query_bias).as_dict()
+                                  has_bias=layer.has_query_bias).cached(layer.caches_keys).as_dict()
         candidates.append({**cost, "relative_error": round(factors.lost_energy, 6), "logit_error": None,
                            "frequency_ranks": list(ranks[layer.prefix].frequency_ranks)})
     return LayerAnalysis(
@@ -203,6 +204,7 @@ def _rotary_layer(source, layer, statistics, budgets, geometry_of, fit_shared_ke
         energy_ranks={"shared_key": {f"{share:.2f}": next((i + 1 for i, c in enumerate(cumulative)
                                                            if c >= share - 1e-9), len(cumulative))
                                      for share in ENERGY_SHARES}},
-        original=original_rotary_cost(_shape(source, layer), has_bias=layer.has_query_bias).as_dict(),
+        original=original_rotary_cost(_shape(source, layer), has_bias=layer.has_query_bias)
+        .cached(layer.caches_keys).as_dict(),
         candidates=candidates, frequency_spectra=[rounded(row) for row in shares], kv_heads=layer.kv_heads,
     )

@@ -228,10 +228,17 @@ def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: 
 # --- budget and fit ----------------------------------------------------------------------------------------------
 
 def allocate_ranks(source: SourceModel, statistics: Mapping[str, KeyStatistics], width: int) -> dict[str, KeyRanks]:
-    """One budget of width x layers numbers per token, spread where the most score energy stays."""
-    spectra = [_shares(key_spectrum(statistics[layer.prefix], geometry_of(layer))) for layer in source.layers]
-    ranks = allocate(spectra, width * len(source.layers))
-    return {layer.prefix: r for layer, r in zip(source.layers, ranks, strict=True)}
+    """One budget of width x layers numbers per token, spread where the most score energy stays.
+
+    The budget is the key cache, so it is spread over the layers whose keys are cached. An encoder-decoder's
+    encoder layers, which cache nothing, get the same width on average, spread among themselves: they then
+    neither take from the cache's budget nor give to it."""
+    ranks = {}
+    for cached in (True, False):
+        layers = [layer for layer in source.layers if layer.caches_keys == cached]
+        spectra = [_shares(key_spectrum(statistics[layer.prefix], geometry_of(layer))) for layer in layers]
+        ranks.update(zip((layer.prefix for layer in layers), allocate(spectra, width * len(layers)), strict=True))
+    return {layer.prefix: ranks[layer.prefix] for layer in source.layers}
 
 
 def _shares(spectrum: KeySpectrum) -> KeySpectrum:
@@ -309,9 +316,9 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, stat
 
 def _report(source: SourceModel, layer: AttentionLayer, factors, seconds: float) -> LayerReport:
     shape = _shape(source, layer)
-    before = original_rotary_cost(shape, has_bias=layer.has_query_bias)
+    before = original_rotary_cost(shape, has_bias=layer.has_query_bias).cached(layer.caches_keys)
     after = shared_rotary_cost(shape, factors.ranks.width, factors.query_core.numel(), factors.pass_core.numel(),
-                               has_bias=layer.has_query_bias)
+                               has_bias=layer.has_query_bias).cached(layer.caches_keys)
     losses = key_spectrum_values(factors)
     return LayerReport(
         name=layer.prefix, rank=factors.ranks.width, num_heads=layer.shape.num_heads, head_dim=layer.shape.head_dim,

@@ -475,8 +475,8 @@ def _refine(projections: Projections, layer: AttentionLayer, fit: LayerFit, bias
 
 def _layer_report(layer: AttentionLayer, rank: int, fit: LayerFit, refinement: dict[str, Any] | None,
                   seconds: float, content_bias: bool = True) -> LayerReport:
-    before = original_cost(layer.shape, has_bias=layer.has_query_bias)
-    after = collaborative_cost(layer.shape, rank, content_bias)
+    before = original_cost(layer.shape, has_bias=layer.has_query_bias).cached(layer.caches_keys)
+    after = collaborative_cost(layer.shape, rank, content_bias).cached(layer.caches_keys)
     truncation = fit.per_head_truncation_error
     return LayerReport(
         name=layer.prefix,

@@ -63,6 +63,13 @@ class Family:
                 return site
         return None
 
+    def caches_keys(self, site: Site) -> bool:
+        """Whether a site's keys are cached while generating. In an encoder-decoder only the decoder's
+        attention caches (its self-attention and its reads of the encoder); an encoder-only family's sites
+        count as cached, the key cache it reports being what a decoder of its shape would hold."""
+        generates = any(s.causal or s.cross for s in self.sites)
+        return site.causal or site.cross or not generates
+
     def heads(self, config: dict[str, Any], site: Site) -> HeadCounts:
         num_heads = self.num_heads(config, site)
         kv_heads = self.kv_heads(config) if self.kv_heads else num_heads

@@ -37,6 +37,9 @@ class AttentionLayer:
     kv_heads: int  # key/value heads: fewer than the query heads under grouped-query attention
     key_input_dim: int  # width of the key-side inputs (the query side's for self-attention)
     causal: bool = False
+    # its keys are cached while generating: decoder self-attention and encoder-decoder attention; an
+    # encoder-decoder's encoder self-attention runs once over the input and caches nothing
+    caches_keys: bool = True
     shared_key: bool = False  # the shared-key form: per-head queries kept, one key shared by all heads
     rotary_dim: int = 0  # rotary families: RoPE's dimensions per head (the shared key is per frequency)
 

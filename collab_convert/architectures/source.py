@@ -69,5 +69,6 @@ def find_attention_layers(reader: TensorReader, family: Family, config: dict[str
             layer.rotary_dim = 0 if family.absolute_positions else rotary_dim_of(config, layer.shape.head_dim)
         else:
             layer = family.layout.find(reader, prefix, heads, site.causal)
+        layer.caches_keys = family.caches_keys(site)
         layers.append(layer)
     return sorted(layers, key=lambda layer: natural_key(layer.prefix))

@@ -8,7 +8,7 @@ N_h D_in (content bias). Scores cost n^2 D_k multiply-adds originally and n^2 N_
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 SEQUENCE_LENGTHS = (128, 512, 2048)
 
@@ -37,6 +37,10 @@ class QueryKeyCost:
         """Multiply-adds of the query/key block per token at context length n: projecting the token, plus
         its scores against n keys. The number to compare: the projections shrink with R, the scores grow."""
         return {n: self.projection_flops_per_token + flops // n for n, flops in self.score_flops.items()}
+
+    def cached(self, keys_cached: bool) -> "QueryKeyCost":
+        """This cost, with no key cache for a layer whose keys are never cached (an encoder's)."""
+        return self if keys_cached else replace(self, key_cache_per_token=0)
 
     def as_dict(self) -> dict:
         data = asdict(self)

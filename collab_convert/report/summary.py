@@ -23,7 +23,7 @@ def _rotary(result: "CompressResult") -> bool:
 
 def _rotary_sentence(result: "CompressResult") -> str:
     widths = [layer.rank for layer in result.layers]
-    full = result.layers[0].cost_before["key_cache_per_token"]
+    full = max(layer.cost_before["key_cache_per_token"] for layer in result.layers)  # an encoder's layer caches 0
     spread = f"{min(widths)} to {max(widths)} per layer, " if min(widths) != max(widths) else ""
     how = ("one rotary key across its key heads, frequency by frequency (RoPE stays exact)"
            if any(layer.frequency_ranks for layer in result.layers) else "one key across its key heads")

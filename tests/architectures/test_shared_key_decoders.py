@@ -113,6 +113,35 @@ def test_encoder_decoders_are_exact_at_the_full_key_cache_and_cache_the_shared_k
                                original.generate(start, max_new_tokens=10, do_sample=False))
 
 
+@pytest.mark.parametrize("name", SEQ2SEQ)
+def test_the_key_cache_budget_of_an_encoder_decoder_is_spent_on_the_keys_it_caches(name, tmp_path):
+    # the encoder's self-attention runs once over the input and caches nothing: --key-cache 0.5 halves what the
+    # decoder caches (its self-attention and its reads of the encoder), and the encoder keeps the same width on
+    # average among its own layers
+    build_family(family_case(name), tmp_path / "in")
+    result = compress(str(tmp_path / "in"), CompressOptions(form="shared-key", key_cache=0.5, output=tmp_path / "out"))
+    cached = [layer for layer in result.layers if "decoder" in layer.name]
+    encoder = [layer for layer in result.layers if "decoder" not in layer.name]
+    assert cached and encoder
+    full = cached[0].cost_before["key_cache_per_token"]
+    assert sum(layer.rank for layer in cached) == round(0.5 * full) * len(cached)
+    assert sum(layer.rank for layer in encoder) == round(0.5 * full) * len(encoder)
+    assert all(layer.cost_before["key_cache_per_token"] == layer.cost_after["key_cache_per_token"] == 0
+               for layer in encoder)
+    assert sum(layer.cost_after["key_cache_per_token"] for layer in result.layers) == sum(
+        layer.rank for layer in cached)
+
+
+def test_only_the_decoder_side_of_an_encoder_decoder_caches_keys():
+    from collab_convert.architectures.families import FAMILIES
+
+    by_name = {family.name: family for family in FAMILIES}
+    bart_encoder, bart_decoder, bart_cross = by_name["bart"].sites
+    assert not by_name["bart"].caches_keys(bart_encoder)
+    assert by_name["bart"].caches_keys(bart_decoder) and by_name["bart"].caches_keys(bart_cross)
+    assert by_name["bert"].caches_keys(by_name["bert"].sites[0])  # encoder-only: reported as a decoder would cache
+
+
 @pytest.mark.parametrize("form, name", [("shared-key", "t5"), ("shared-key", "bart"), ("collaborative", "t5")])
 def test_calibrated_encoder_decoders_refine_every_kind_of_attention(form, name, tmp_path):
     # Encoder (bidirectional), decoder (causal) and encoder-decoder attention, T5's position bias added; the
