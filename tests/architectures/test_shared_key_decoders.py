@@ -132,6 +132,18 @@ def test_the_key_cache_budget_of_an_encoder_decoder_is_spent_on_the_keys_it_cach
         layer.rank for layer in cached)
 
 
+@pytest.mark.parametrize("form", ["shared-key", "collaborative"])
+def test_analyze_counts_the_key_cache_of_an_encoder_decoder_on_the_decoder_side(form, tmp_path, capsys):
+    build_family(family_case("bart"), tmp_path / "in")
+    code, out, _ = run(capsys, "analyze", tmp_path / "in", "--form", form, "--json")
+    assert code == 0
+    result = json.loads(out)
+    decoder = [layer for layer in result["layers"] if "decoder" in layer["name"]]
+    assert all(layer["original"]["key_cache_per_token"] == 0 for layer in result["layers"] if layer not in decoder)
+    assert result["predictions"][0]["key_cache_before"] == sum(
+        layer["original"]["key_cache_per_token"] for layer in decoder) > 0
+
+
 def test_only_the_decoder_side_of_an_encoder_decoder_caches_keys():
     from collab_convert.architectures.families import FAMILIES
 
