@@ -130,8 +130,8 @@ def fit_collaborative(
     """Rank-R collaborative factors of the stacked head products.
 
     Starts from the better of the best per-head truncation and, at a few ranks per head, the shared-subspace
-    initialisation, then runs CP-ALS. ALS never increases the error, so the result is never worse than per-head truncation.
-    Deterministic: no random start. Stops when an iteration lowers the error by less than `tolerance` of its
+    initialisation, then runs CP-ALS. ALS never increases the error, so the result is never worse than
+    per-head truncation. Deterministic: no random start. Stops when an iteration lowers the error by less than `tolerance` of its
     value: on real models the embedding fidelity has settled long before the product error stops creeping down.
 
     The ALS works in the span of the heads' rows, which is the Tucker (HOSVD) subspace of each side: every
@@ -239,7 +239,8 @@ class _FactoredALS:
         self.norm = core.squared_norm()
         self.heads = core.query_heads.shape[:2]
         self.query_rows, self.key_rows = (  # (N_h d_k, D_in): every head's rows, stacked
-            heads.reshape(-1, heads.shape[2]).to(device=device, dtype=dtype) for heads in (core.query_heads, core.key_heads)
+            heads.reshape(-1, heads.shape[2]).to(device=device, dtype=dtype)
+            for heads in (core.query_heads, core.key_heads)
         )
         self.query_cross, self.key_cross = (rows @ rows.T for rows in (self.query_rows, self.key_rows))
 
