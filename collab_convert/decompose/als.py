@@ -131,8 +131,9 @@ def fit_collaborative(
 
     Starts from the better of the best per-head truncation and, at a few ranks per head, the shared-subspace
     initialisation, then runs CP-ALS. ALS never increases the error, so the result is never worse than
-    per-head truncation. Deterministic: no random start. Stops when an iteration lowers the error by less than `tolerance` of its
-    value: on real models the embedding fidelity has settled long before the product error stops creeping down.
+    per-head truncation. Deterministic: no random start. Stops when an iteration lowers the error by less than
+    `tolerance` of its value: on real models the embedding fidelity has settled long before the product error
+    stops creeping down.
 
     The ALS works in the span of the heads' rows, which is the Tucker (HOSVD) subspace of each side: every
     update of a factor lies there, and working in it needs no basis. The HOSVD is computed for the spectra and
