@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ def export(model: str, options: ExportOptions, progress: Progress = no_progress)
         try:
             export_onnx(wrapper, example, path)
         except Exception as error:  # noqa: BLE001 - the exporter fails in many ways on models it cannot trace
-            raise BadInputError(f"torch.onnx could not export this model: {str(error).splitlines()[0]}") from None
+            raise BadInputError(f"torch.onnx could not export this model: {export_failure(error)}") from None
         progress("checking in onnxruntime", 0, 1)
         check = check_onnx(path, wrapper, probe, description)
         if not check.max_abs_difference <= options.tolerance:
@@ -69,6 +70,15 @@ def export(model: str, options: ExportOptions, progress: Progress = no_progress)
     return result
 
 
+def export_failure(error: Exception) -> str:
+    """The cause of a failed export in one line. torch.onnx's message opens with colour codes and generic
+    advice; the cause follows its "## Exception summary"."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines() if line.strip()]
+    if "## Exception summary" in lines[:-1]:
+        return lines[lines.index("## Exception summary") + 1]
+    return lines[0] if lines else type(error).__name__
+
+
 def _wrapped(folder: Path, encoder, language_model):
     """The model loaded as its config says, in the wrapper that names its output."""
     import transformers
@@ -86,6 +96,10 @@ def _wrapped(folder: Path, encoder, language_model):
         raise BadInputError(f"could not load {folder}: {str(error).splitlines()[0]}") from None
     if causal:
         return language_model(model), "causal language model: next-token logits, no cache"
+    if getattr(model.config, "is_encoder_decoder", False):
+        # the whole model would run its decoder on inputs it makes up (BART shifts the input ids; T5 has none
+        # and fails): the encoder is what takes the input alone
+        return encoder(model.get_encoder()), "encoder of an encoder-decoder: final hidden states (no decoder)"
     return encoder(model), "encoder: final hidden states"
 
 

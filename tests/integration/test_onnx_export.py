@@ -70,6 +70,33 @@ def test_a_compressed_decoder_exports_its_logits_without_cache(kind, tmp_path):
     assert json.loads((tmp_path / "onnx" / "export.json").read_text())["kind"].startswith("causal language model")
 
 
+@pytest.mark.parametrize("name", ["bart", "t5"])
+def test_an_encoder_decoder_exports_its_encoder(name, tmp_path):
+    # the whole model would run its decoder on inputs it makes up (T5 refused to trace at all): the encoder is
+    # what takes the input alone, and export.json says so
+    from collab_convert.exporting import export
+    from collab_convert.options import ExportOptions
+    from fixtures.models import build_family, family_case
+
+    build_family(family_case(name), tmp_path / "in")
+    compress(str(tmp_path / "in"), CompressOptions(form="shared-key", key_cache=0.5, output=tmp_path / "c", plots=False))
+    result = export(str(tmp_path / "c"), ExportOptions(output=tmp_path / "onnx"))
+    assert result.max_abs_difference <= 1e-4
+    kind = json.loads((tmp_path / "onnx" / "export.json").read_text())["kind"]
+    assert kind.startswith("encoder of an encoder-decoder")
+
+
+def test_a_failed_export_is_explained_by_its_cause_in_one_clean_line():
+    from collab_convert.exporting import export_failure
+
+    torch_style = RuntimeError("Failed to export the model with torch.export. \x1b[96mThis is step 1/3\x1b[0m of "
+                               "exporting.\n- Modify the model code.\n\n## Exception summary\n\n<class 'ValueError'>: "
+                               "You must specify exactly one of input_ids or inputs_embeds\n\n(Refer to the stack.)")
+    assert export_failure(torch_style) == ("<class 'ValueError'>: You must specify exactly one of input_ids or "
+                                           "inputs_embeds")
+    assert export_failure(RuntimeError("plain\nmore")) == "plain"
+
+
 def test_export_refuses_a_folder_that_is_no_model_and_writes_nothing(tmp_path):
     from collab_convert.cli import main
 
