@@ -346,11 +346,17 @@ def _position_bias_hook(module, read_bias, moments: _Moments):
     signature = inspect.signature(module.forward)
 
     def hook(module, args, kwargs):
-        bias = read_bias(module, signature.bind_partial(*args, **kwargs).arguments)
-        if isinstance(bias, torch.Tensor):
+        bias = _position_bias(module, read_bias, signature, args, kwargs)
+        if bias is not None:
             moments.add_position_bias(bias)
 
     return hook
+
+
+def _position_bias(module, read_bias, signature: inspect.Signature, args, kwargs) -> torch.Tensor | None:
+    """The bias `read_bias` (a family's position_bias) finds in one call's arguments: (1 or b, N_h, n, m), or None."""
+    bias = read_bias(module, signature.bind_partial(*args, **kwargs).arguments)
+    return bias if isinstance(bias, torch.Tensor) else None
 
 
 def _hook(current: _CurrentBatch, *adders):
@@ -417,9 +423,8 @@ class _RotaryObserver:
         """The relative position bias the module adds to its scores (T5's), (N_h, n, m), for refinement."""
         if self.family.position_bias is None:
             return None
-        arguments = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-        bias = self.family.position_bias(module, arguments)
-        return bias[0].detach().float().clone() if isinstance(bias, torch.Tensor) else None
+        bias = _position_bias(module, self.family.position_bias, inspect.signature(module.forward), args, kwargs)
+        return None if bias is None else bias[0].detach().float().clone()
 
     def finished(self, prefix: str) -> RotaryCalibration:
         """The layer's record, statistics as means per token; forgotten here."""
