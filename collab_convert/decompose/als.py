@@ -238,7 +238,7 @@ class _FactoredALS:
 
     def __init__(self, core: HeadProducts, dtype: torch.dtype, device: str | torch.device = "cpu"):
         self.norm = core.squared_norm()
-        self.heads = core.query_heads.shape[:2]
+        self.head_shape = core.query_heads.shape[:2]  # (N_h, d_k)
         self.query_rows, self.key_rows = (  # (N_h d_k, D_in): every head's rows, stacked
             heads.reshape(-1, heads.shape[2]).to(device=device, dtype=dtype)
             for heads in (core.query_heads, core.key_heads)
@@ -247,7 +247,7 @@ class _FactoredALS:
 
     def start(self, q, k, m, error: float) -> _ALSState:
         """A state whose key side is ready for a sweep (a sweep's first update reads only k and m)."""
-        kproj = (self.key_rows @ k).reshape(*self.heads, -1)
+        kproj = (self.key_rows @ k).reshape(*self.head_shape, -1)
         return _ALSState(None, None, m, None, kproj, None, k.T @ k, error)
 
     def sweep(self, state: _ALSState) -> _ALSState:
@@ -264,7 +264,7 @@ class _FactoredALS:
         """(weights on the head rows, projections, Gram matrix) of one side's least-squares update."""
         weights = _solve(gram, mixed_projection.reshape(-1, gram.shape[0]))
         projected = cross @ weights  # Q Q^T w = Q q
-        return weights, projected.reshape(*self.heads, -1), weights.T @ projected  # q^T q = w^T Q Q^T w
+        return weights, projected.reshape(*self.head_shape, -1), weights.T @ projected  # q^T q = w^T Q Q^T w
 
     def extrapolate(self, previous: _ALSState, current: _ALSState, step: float) -> _ALSState:
         """The state at current + (step - 1) (current - previous), with its best mixing."""
