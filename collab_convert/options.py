@@ -102,8 +102,9 @@ class CompressOptions(_ModelInputs):
     max_shard_size: int | str = Field(
         "5GB", description="Largest safetensors shard, e.g. 500MB.", json_schema_extra={"cli_type": str}
     )
-    # Where the ALS runs. Reading, writing and the small SVDs stay on the CPU.
-    device: str = Field("cpu", description="Run the decomposition on cpu or cuda[:N].")
+    # Where the math runs (devices.py). Reading, writing, the small SVDs and the rotary fits stay on the CPU.
+    device: str = Field("cpu", description="Run the math on cpu or cuda[:N]: the fits, and with --calibration the "
+                        "calibration passes, refinement, distillation and fidelity measurement.")
     method: str = Field(
         DEFAULT_METHOD, description=" or ".join(f"{name} ({m.description.split(':')[0]})" for name, m in METHODS.items()) + "."
     )

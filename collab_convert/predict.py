@@ -56,9 +56,9 @@ class FidelityEstimator:
         self.tokenizer = load_tokenizer(source.folder, "a fidelity estimate")
         # as many texts per forward pass as keep a block's activations small (calibration's batch size)
         self.batch_size = max(1, batch_tokens(source.width) // options.calibration_max_length)
-        original = load_offloaded(source.folder)
+        original = load_offloaded(source.folder, device=options.device)
         self.reference = sentence_embeddings(original, self.tokenizer, probe.texts, batch_size=self.batch_size,
-                                             max_length=options.calibration_max_length)
+                                             max_length=options.calibration_max_length, device=options.device)
         self.cache: dict[int, Estimate] = {}
 
     def at(self, rank: int, progress: Progress = no_progress) -> Estimate:
@@ -80,10 +80,10 @@ class FidelityEstimator:
         from .integration.fidelity import cosine_stats, sentence_embeddings
         from .integration.layerwise import load_offloaded
 
-        model = load_offloaded(folder)
+        model = load_offloaded(folder, device=self.options.device)
         stats = cosine_stats(self.reference, sentence_embeddings(
             model, self.tokenizer, self.probe.texts, batch_size=self.batch_size,
-            max_length=self.options.calibration_max_length))
+            max_length=self.options.calibration_max_length, device=self.options.device))
         return stats.mean, stats.p01
 
     def measured(self, folder: Path) -> dict:
@@ -98,9 +98,11 @@ class FidelityEstimator:
 
             from .integration.layerwise import load_offloaded
 
+            device = self.options.device
             figures["top1_agreement"], figures["kl_mean"] = next_token_agreement(
-                load_offloaded(folder, AutoModelForCausalLM), load_offloaded(self.source.folder, AutoModelForCausalLM),
-                self.tokenizer, self.probe.texts, self.options.calibration_max_length,
+                load_offloaded(folder, AutoModelForCausalLM, device),
+                load_offloaded(self.source.folder, AutoModelForCausalLM, device),
+                self.tokenizer, self.probe.texts, self.options.calibration_max_length, device=device,
             )
         return figures
 

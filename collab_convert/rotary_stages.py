@@ -207,7 +207,7 @@ def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: 
     calibrations, batches = collect_rotary_statistics(source.folder, source.family, layers, texts,
                                                       options.calibration_max_length, progress, keep_samples=keep,
                                                       token_budget=options.calibration_tokens, scratch=scratch,
-                                                      width=source.width)
+                                                      width=source.width, device=options.device)
     refinement = (f"up to {options.refine_steps} Adam steps per layer on the error of the attention output (through "
                   f"the output projection; attention KL reported), each on 8 of "
                   f"{min(keep, len(texts))} sequences and 32 query positions in each, stopped and chosen on a "
@@ -285,7 +285,7 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, stat
 
         with reused_heap():  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
             refined = refine_shared_key(calibration.samples, factors, geometry_of(layer), calibration.setting,
-                                        steps=options.refine_steps, seed=options.seed)
+                                        steps=options.refine_steps, seed=options.seed, device=options.device)
         factors = refined.factors
         refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
                       "objective": refined.objective, "loss_before": refined.loss_before,

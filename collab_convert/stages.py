@@ -131,7 +131,7 @@ def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], p
         source.folder, source.family, [layer.prefix for layer in source.layers], texts,
         options.calibration_max_length, progress, keep_samples=options.refine_samples if refines else 0,
         token_budget=options.calibration_tokens, scratch=scratch,
-        width=source.width,
+        width=source.width, device=options.device,
     )
     if refines:
         from .decompose.refinement import BATCH_SEQUENCES, QUERY_ROWS
@@ -205,7 +205,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
         refinement = None
         if steps.get(layer.prefix) and rank < layer.shape.key_dim:
             with reused_heap():
-                refinement = _refine(projections, layer, layer_fit, bias, metric, steps, labels, options.seed,
+                refinement = _refine(projections, layer, layer_fit, bias, metric, steps, labels, options,
                                      progress)
             layer_fit.factors, bias = refinement.pop("factors"), refinement.pop("content_bias")
             layer_fit.relative_error = relative_error(projections.products(layer.shape.num_heads), layer_fit.factors)
@@ -255,7 +255,8 @@ def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[
             continue
         target = AttentionTarget(metric.query_samples, metric.key_samples, projections.query_weight,
                                  projections.query_bias, projections.key_weight, layer.shape.num_heads,
-                                 score_scale(layer, metric), layer.causal, getattr(metric, "position_bias", None))
+                                 score_scale(layer, metric), layer.causal, getattr(metric, "position_bias", None),
+                                 device=options.device)
         losses.append(target.held_out_kl((fit.factors.shared_query, fit.factors.shared_key, fit.factors.mixing, bias)))
     steps = dict(zip(fits, share_steps(losses, options.refine_steps * len(source.layers)), strict=True))
     if finished:
@@ -451,7 +452,7 @@ class _FitsAhead:
 
 
 def _refine(projections: Projections, layer: AttentionLayer, fit: LayerFit, bias, metric, steps: dict[str, int],
-            labels: dict[str, str], seed: int, progress: Progress) -> dict[str, Any]:
+            labels: dict[str, str], options: CompressOptions, progress: Progress) -> dict[str, Any]:
     """Refine one layer's fitted factors against the original layer's attention on the calibration sequences,
     with the steps its error earned; progress shows the held-out KL as it falls."""
     from .decompose.refinement import refine_attention
@@ -466,8 +467,8 @@ def _refine(projections: Projections, layer: AttentionLayer, fit: LayerFit, bias
     refined = refine_attention(
         metric.query_samples, metric.key_samples, projections.query_weight, projections.query_bias,
         projections.key_weight, fit.factors, bias, layer.shape.num_heads, score_scale(layer, metric),
-        causal=layer.causal, steps=steps[layer.prefix], seed=seed, on_check=on_check,
-        position_bias=getattr(metric, "position_bias", None),
+        causal=layer.causal, steps=steps[layer.prefix], seed=options.seed, on_check=on_check,
+        position_bias=getattr(metric, "position_bias", None), device=options.device,
     )
     return {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
             "factors": refined.factors, "content_bias": refined.content_bias.to(bias.dtype)}
@@ -519,7 +520,7 @@ def distill_checkpoint(source: SourceModel, folder: Path, texts: list[str], opti
     progress("distilling", 0, options.distill_steps)
     with reused_heap():  # every step allocates the same activations afresh (cpu.reused_heap)
         tuned, report = distill(source.folder, folder, texts, options.calibration_max_length, options.distill_steps,
-                                options.seed, progress)
+                                options.seed, progress, options.device)
     reader = TensorReader(folder)
     try:
         on_disk = set(reader.names())

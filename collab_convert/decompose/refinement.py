@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..devices import HOST, Device
 from .products import CollaborativeFactors
 
 # Adam's step, as a share of each tensor's typical entry, and what one step sees. Measured on all-MiniLM-L6-v2,
@@ -30,7 +31,7 @@ MASKED = -1e9
 
 
 def _mask_to_add(key_mask: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(key_mask.shape).masked_fill_(~key_mask, MASKED)
+    return torch.zeros(key_mask.shape, device=key_mask.device).masked_fill_(~key_mask, MASKED)
 
 
 @dataclass
@@ -43,9 +44,9 @@ class RefineResult:
 
 
 def _pad(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    length = max(s.shape[0] for s in sequences)
-    padded = torch.zeros(len(sequences), length, sequences[0].shape[1])
-    mask = torch.zeros(len(sequences), length, dtype=torch.bool)
+    length, device = max(s.shape[0] for s in sequences), sequences[0].device
+    padded = torch.zeros(len(sequences), length, sequences[0].shape[1], device=device)
+    mask = torch.zeros(len(sequences), length, dtype=torch.bool, device=device)
     for i, s in enumerate(sequences):
         padded[i, : s.shape[0]] = s
         mask[i, : s.shape[0]] = True
@@ -101,16 +102,18 @@ class _Sequence:
 
 
 @torch.no_grad()
-def _sequences(queries, keys, query_weight, query_bias, key_weight, heads: int) -> list[_Sequence]:
+def _sequences(queries, keys, query_weight, query_bias, key_weight, heads: int, device) -> list[_Sequence]:
+    """Each sequence on `device` in float32 (samples wait in host memory, maybe in half precision)."""
     d_k = query_weight.shape[0] // heads
-    bias = query_bias.float() if query_bias is not None else 0.0
+    query_weight, key_weight = (w.to(device, torch.float32) for w in (query_weight, key_weight))
+    bias = query_bias.to(device, torch.float32) if query_bias is not None else 0.0
     pool = []
     for x, y in zip(queries, keys):
         same = y is x  # self-attention samples are one tensor for both sides: one float copy
-        x = x.float()  # samples may be kept in half precision
-        y = x if same else y.float()
-        pool.append(_Sequence(x, y, (x @ query_weight.float().T + bias).view(-1, heads, d_k),
-                              (y @ key_weight.float().T).view(-1, heads, d_k)))
+        x = x.to(device, torch.float32)
+        y = x if same else y.to(device, torch.float32)
+        pool.append(_Sequence(x, y, (x @ query_weight.T + bias).view(-1, heads, d_k),
+                              (y @ key_weight.T).view(-1, heads, d_k)))
     return pool
 
 
@@ -119,12 +122,14 @@ def _sampled_batch(chosen: list[_Sequence], rows: int | None, scaling: float, ca
                    position_bias=None) -> _Batch:
     """A few sequences with `rows` sampled query positions each (None: all of them): the unbiased minibatch of
     the attention KL."""
-    picks = [torch.arange(s.x.shape[0]) if rows is None else
-             torch.randperm(s.x.shape[0], generator=generator)[:rows].sort().values for s in chosen]
+    device = chosen[0].x.device
+    # drawn on the host generator, so a seed picks the same rows on every device
+    picks = [(torch.arange(s.x.shape[0]) if rows is None else
+              torch.randperm(s.x.shape[0], generator=generator)[:rows].sort().values).to(device) for s in chosen]
     bias = None
     if position_bias is not None:  # each sequence's sampled query rows of the bias, padded like the rows
         width = max(s.y.shape[0] for s in chosen)
-        bias = torch.zeros(len(chosen), position_bias.shape[0], max(len(p) for p in picks), width)
+        bias = torch.zeros(len(chosen), position_bias.shape[0], max(len(p) for p in picks), width, device=device)
         for index, p in enumerate(picks):
             bias[index, :, : len(p)] = position_bias[:, p, :width]
     x, x_mask = _pad([s.x[p] for s, p in zip(chosen, picks)])
@@ -137,16 +142,16 @@ def _sampled_batch(chosen: list[_Sequence], rows: int | None, scaling: float, ca
     key_mask = y_mask[:, None, None, :]
     if causal:
         positions, _ = _pad([p[:, None].float() for p in picks])  # (B, rows, 1)
-        key_mask = key_mask & (torch.arange(y.shape[1])[None, None, :] <= positions)[:, None]
+        key_mask = key_mask & (torch.arange(y.shape[1], device=device)[None, None, :] <= positions)[:, None]
     return _Batch.of(x, y, key_mask, x_mask, torch.matmul(q, k.transpose(-1, -2)) * scaling, heads, bias)
 
 
 @torch.no_grad()
 def _original_attention(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal,
-                        position_bias=None, rows: int | None = None, seed: int = 0) -> list[_Batch]:
+                        position_bias=None, rows: int | None = None, seed: int = 0, device=HOST) -> list[_Batch]:
     """The original attention of every sequence, in batches of 32 of similar length (padding costs little in an
     n^2 score matrix): at all query positions, or at `rows` of them per sequence, drawn once with `seed`."""
-    pool = _sequences(queries, keys, query_weight, query_bias, key_weight, num_heads)
+    pool = _sequences(queries, keys, query_weight, query_bias, key_weight, num_heads, device)
     order = sorted(range(len(pool)), key=lambda i: (pool[i].x.shape[0], pool[i].y.shape[0]))
     generator = torch.Generator().manual_seed(seed)
     return [_sampled_batch([pool[i] for i in order[start:start + 32]], rows, scaling, causal, generator,
@@ -155,30 +160,36 @@ def _original_attention(queries, keys, query_weight, query_bias, key_weight, num
 
 class AttentionTarget:
     """The original layer's attention on calibration sequences: what a refinement reproduces. A held-out slice
-    of the sequences (a tenth, when there are at least ten) is kept apart to judge a refinement by."""
+    of the sequences (a tenth, when there are at least ten) is kept apart to judge a refinement by. Its
+    batches live on `device`, where the losses are computed; the samples may wait in host memory."""
 
     def __init__(self, queries: list[torch.Tensor], keys: list[torch.Tensor], query_weight: torch.Tensor,
                  query_bias: torch.Tensor | None, key_weight: torch.Tensor, num_heads: int, scaling: float,
-                 causal: bool = False, position_bias: torch.Tensor | None = None):
+                 causal: bool = False, position_bias: torch.Tensor | None = None, device=HOST):
+        self.device = torch.device(device)
+        if position_bias is not None:
+            position_bias = position_bias.to(self.device)
         held = max(len(queries) // 10, 1) if len(queries) >= 10 else 0
         train = slice(0, len(queries) - held) if held else slice(None)
         check = slice(len(queries) - held, None) if held else slice(None)
         # each check sees HELD_OUT_ROWS fixed query positions of every held-out sequence, as many as a step sees:
         # the checks cost half as much on 128-token texts, and the mean KL they estimate is the same
         self.check_batches = _original_attention(queries[check], keys[check], query_weight, query_bias, key_weight,
-                                                 num_heads, scaling, causal, position_bias, rows=HELD_OUT_ROWS)
+                                                 num_heads, scaling, causal, position_bias, rows=HELD_OUT_ROWS,
+                                                 device=self.device)
         self.check_rows = sum(b.rows for b in self.check_batches)
         self.scaling, self.causal, self.position_bias = scaling, causal, position_bias
         # the training sequences' original queries and keys, computed when a refinement first asks: judging a
         # fit (held_out_kl) needs only the held-out slice
-        self._train = lambda: _sequences(queries[train], keys[train], query_weight, query_bias, key_weight, num_heads)
+        self._train = lambda: _sequences(queries[train], keys[train], query_weight, query_bias, key_weight, num_heads,
+                                         self.device)
         self.train: list[_Sequence] | None = None
 
     @torch.no_grad()
     def held_out_kl(self, parameters) -> float:
         """Mean KL(original || collaborative) per attention row of the held-out sequences; `parameters`:
         (shared_query, shared_key, mixing, content_bias)."""
-        parameters = [t.float() for t in parameters]
+        parameters = [t.to(self.device, torch.float32) for t in parameters]
         return float(sum(_collaborative_kl(parameters, b, self.scaling) * b.rows for b in self.check_batches)
                      / self.check_rows)
 
@@ -208,24 +219,26 @@ def refine_attention(
     seed: int = 0,
     on_check=None,
     position_bias: torch.Tensor | None = None,
+    device: Device = HOST,
 ) -> RefineResult:
     """Adam on the mean KL(original || collaborative) of every head's attention, stochastically: each step
     sees `batch_sequences` sequences and `query_rows` sampled query positions in each, so a step costs the same
     whatever the length and number of the calibration sequences. The held-out slice decides when to stop (no
     gain in five checks) and which parameters to keep; the start counts, so the result is never worse on it
     than the fit it started from. `on_check(step, loss)` hears each held-out check. `position_bias` (H, N, N):
-    a relative position bias the layer adds to its scores, for sequences up to N long."""
+    a relative position bias the layer adds to its scores, for sequences up to N long. The steps run on `device`;
+    the result comes back in host memory."""
     target = AttentionTarget(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal,
-                             position_bias)
+                             position_bias, device)
     start = (factors.shared_query, factors.shared_key, factors.mixing, content_bias)
-    parameters = [t.float().clone().requires_grad_(True) for t in start]
+    parameters = [t.to(target.device, torch.float32).clone().requires_grad_(True) for t in start]
     generator = torch.Generator().manual_seed(seed)
     best, initial, best_loss, taken = adam_with_held_out(
         parameters, lambda: target.minibatch_kl(parameters, generator, batch_sequences, query_rows),
         lambda: target.held_out_kl(parameters), steps, learning_rate, on_check=on_check)
     dtype = factors.shared_query.dtype
-    refined = CollaborativeFactors(*(b.to(dtype) for b in best[:3]))
-    return RefineResult(refined, best[3].to(content_bias.dtype), initial, best_loss, taken)
+    refined = CollaborativeFactors(*(b.to(HOST, dtype) for b in best[:3]))
+    return RefineResult(refined, best[3].to(HOST, content_bias.dtype), initial, best_loss, taken)
 
 
 def share_steps(losses: list[float], total: int, most: float = 3.0, least: int = 20) -> list[int]:

@@ -66,6 +66,9 @@ class KeyStatistics:
     def scaled(self, factor: float) -> "KeyStatistics":
         return KeyStatistics(*(part * factor for part in self._parts()))
 
+    def to(self, device: torch.device | str) -> "KeyStatistics":
+        return KeyStatistics(*(part.to(device) for part in self._parts()))
+
     def _parts(self):
         return self.key_moment, self.query_energy, self.pass_key_covariance, self.pass_query_moment
 
@@ -80,14 +83,15 @@ def statistics_of(queries: torch.Tensor, keys: torch.Tensor, geometry: RotaryGeo
     """Sums (not means) over the tokens of one sequence: queries (n, N_h, d) and keys (n, G, d), before RoPE."""
     key_pairs = complex_pairs(keys, geometry.rotary_dim).permute(2, 1, 0)  # (F, G, n)
     query_pairs = complex_pairs(queries, geometry.rotary_dim)  # (n, N_h, F)
-    energy = torch.zeros(geometry.frequencies, geometry.kv_heads, dtype=torch.float64)
-    energy.index_add_(1, geometry.group_of_head, (query_pairs.abs() ** 2).sum(0).T)
+    group_of_head = geometry.group_of_head.to(queries.device)
+    energy = torch.zeros(geometry.frequencies, geometry.kv_heads, dtype=torch.float64, device=queries.device)
+    energy.index_add_(1, group_of_head, (query_pairs.abs() ** 2).sum(0).T)
     p = geometry.pass_dim
     pass_keys = keys[..., geometry.rotary_dim:].reshape(keys.shape[0], -1).double()
     centred = pass_keys - pass_keys.mean(0, keepdim=True)
     pass_queries = queries[..., geometry.rotary_dim:].double()  # (n, N_h, p)
-    query_moment = torch.zeros(geometry.kv_heads, p, p, dtype=torch.float64)
-    query_moment.index_add_(0, geometry.group_of_head, torch.einsum("nhp,nhq->hpq", pass_queries, pass_queries))
+    query_moment = torch.zeros(geometry.kv_heads, p, p, dtype=torch.float64, device=queries.device)
+    query_moment.index_add_(0, group_of_head, torch.einsum("nhp,nhq->hpq", pass_queries, pass_queries))
     return KeyStatistics(key_pairs @ key_pairs.conj().transpose(1, 2), energy, centred.T @ centred, query_moment)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..devices import HOST, Device, moved
 from .rotary import RotaryFactors, RotaryGeometry, slot_frequencies
 from .refinement import adam_with_held_out
 from .rotary_ops import query_in_shared_basis, rotate_half_dims, rotate_shared_key
@@ -52,8 +53,9 @@ class RotaryRefinement:
     loss_after: float = 0.0
 
 
-def _batch(samples: list[RotarySample], rows: int | None, generator) -> tuple:
-    """Padded (B, rows, H, d) queries at sampled rows, (B, m, G, d) keys and values, row positions, valid masks."""
+def _batch(samples: list[RotarySample], rows: int | None, generator, device=HOST) -> tuple:
+    """Padded (B, rows, H, d) queries at sampled rows, (B, m, G, d) keys and values, row positions, valid masks:
+    gathered in host memory, where the samples wait, and moved to `device` together."""
     length = max(s.keys.shape[0] for s in samples)
     picks = [torch.arange(s.queries.shape[0]) if rows is None
              else torch.randperm(s.queries.shape[0], generator=generator)[:rows].sort().values for s in samples]
@@ -72,7 +74,7 @@ def _batch(samples: list[RotarySample], rows: int | None, generator) -> tuple:
         key_valid[i, : sample.keys.shape[0]] = True
         if values is not None:
             values[i, : sample.values.shape[0]] = sample.values.float()
-    return queries, keys, values, positions, row_valid, key_valid
+    return moved((queries, keys, values, positions, row_valid, key_valid), device)
 
 
 class _Problem:
@@ -84,6 +86,7 @@ class _Problem:
     def __init__(self, batch, geometry: RotaryGeometry, setting: AttentionSetting, slots: torch.Tensor):
         queries, keys, values, positions, row_valid, key_valid = batch
         self.geometry, self.setting, self.slots = geometry, setting, slots
+        group_of_head = geometry.group_of_head.to(keys.device)
         length = keys.shape[1]
         cos, sin = setting.cos[:length], setting.sin[:length]
         self.key_cos, self.key_sin = cos, sin
@@ -92,7 +95,7 @@ class _Problem:
         self.keys = keys.flatten(2)  # (B, m, G d)
         allowed = key_valid[:, None, :].expand(-1, positions.shape[1], -1)
         if setting.causal:
-            allowed = allowed & (torch.arange(length)[None, None, :] <= positions[:, :, None])
+            allowed = allowed & (torch.arange(length, device=keys.device)[None, None, :] <= positions[:, :, None])
         self.allowed = allowed[:, None]  # (B, 1, rows, m)
         self.bias = None
         if setting.position_bias is not None:  # each row's bias at its own position: (B, H, rows, m)
@@ -101,10 +104,10 @@ class _Problem:
         self.rows = row_valid
         self.valid = row_valid[:, None, :].expand(-1, geometry.num_heads, -1)
         rotated_keys = rotate_half_dims(keys.transpose(1, 2), cos, sin, geometry.rotary_dim)  # (B, G, m, d)
-        grouped = rotated_keys[:, geometry.group_of_head]  # (B, H, m, d)
+        grouped = rotated_keys[:, group_of_head]  # (B, H, m, d)
         self.values = None
         if values is not None and setting.output_weight is not None:
-            self.values = values.transpose(1, 2)[:, geometry.group_of_head]  # (B, H, m, d)
+            self.values = values.transpose(1, 2)[:, group_of_head]  # (B, H, m, d)
         with torch.no_grad():
             self.target = self._log_softmax(self.queries @ grouped.transpose(-1, -2))
             self.target_p = self.target.exp()
@@ -144,14 +147,19 @@ class _Problem:
 
 def refine_shared_key(samples: list[RotarySample], factors: RotaryFactors, geometry: RotaryGeometry,
                       setting: AttentionSetting, steps: int = 200, learning_rate: float = 6e-2,
-                      batch_sequences: int = 8, query_rows: int = 32, seed: int = 0) -> RotaryRefinement:
-    """Adam on the mean attention KL(original || shared) per head and query (see the module docstring)."""
-    slots = slot_frequencies(factors.ranks)
+                      batch_sequences: int = 8, query_rows: int = 32, seed: int = 0,
+                      device: Device = HOST) -> RotaryRefinement:
+    """Adam on the mean attention KL(original || shared) per head and query (see the module docstring). The steps
+    run on `device`; the samples wait in host memory, and the result comes back there."""
+    slots = slot_frequencies(factors.ranks).to(device)
+    setting = replace(setting, **moved({"cos": setting.cos, "sin": setting.sin, "output_weight": setting.output_weight,
+                                        "position_bias": setting.position_bias}, device))
     held = max(len(samples) // 10, 1) if len(samples) >= 10 else 0
     train, check = (samples[:-held], samples[-held:]) if held else (samples, samples)
-    checks = [_Problem(_batch(check[i:i + 8], None, None), geometry, setting, slots) for i in range(0, len(check), 8)]
+    checks = [_Problem(_batch(check[i:i + 8], None, None, device), geometry, setting, slots)
+              for i in range(0, len(check), 8)]
     check_rows = sum(int(p.valid.sum()) for p in checks)
-    parameters = [t.float().clone().requires_grad_(True)
+    parameters = [t.to(device, torch.float32).clone().requires_grad_(True)
                   for t in (factors.key_mixing, factors.query_core, factors.pass_core)]
 
     def held_out() -> float:
@@ -168,7 +176,7 @@ def refine_shared_key(samples: list[RotarySample], factors: RotaryFactors, geome
 
     def minibatch_loss() -> torch.Tensor:
         chosen = [train[i] for i in torch.randperm(len(train), generator=generator)[:batch_sequences]]
-        problem = _Problem(_batch(chosen, query_rows, generator), geometry, setting, slots)
+        problem = _Problem(_batch(chosen, query_rows, generator, device), geometry, setting, slots)
         loss, norm = problem.loss(*parameters)
         return loss / max(norm, 1e-30)
 
@@ -177,6 +185,7 @@ def refine_shared_key(samples: list[RotarySample], factors: RotaryFactors, geome
         parameter.data.copy_(kept)
     kl_after = held_out_kl()
     dtype = factors.key_mixing.dtype
-    refined = replace(factors, key_mixing=best[0].to(dtype), query_core=best[1].to(dtype), pass_core=best[2].to(dtype))
+    refined = replace(factors, key_mixing=best[0].to(HOST, dtype), query_core=best[1].to(HOST, dtype),
+                      pass_core=best[2].to(HOST, dtype))
     objective = "attention output" if checks[0].values is not None else "attention KL"
     return RotaryRefinement(refined, kl_before, kl_after, taken, objective, initial, best_loss)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..decompose.calibrated import InputMetric
+from ..devices import HOST, Device, host_copy, moved
 from ..errors import BadInputError
 from ..io.spill import SpillFolder
 from ..modeling.collaborative import strip_prefix
@@ -155,12 +156,12 @@ class _Moments:
     def add_query(self, sequences: list[torch.Tensor]) -> None:
         self._last_query = sequences
         for x in sequences[: max(self.keep - len(self.query_samples), 0)]:
-            self.query_samples.append(x.half().clone())
+            self.query_samples.append(host_copy(x, torch.float16))
         rows = torch.cat(sequences).float()
-        if self.query_shift is None:
+        if self.query_shift is None:  # the sums live where the inputs do: one copy to the host, at the end
             self.query_shift = rows.mean(0)
-            self.query_sum = torch.zeros(rows.shape[1], dtype=torch.float64)
-            self.query_outer = torch.zeros(rows.shape[1], rows.shape[1], dtype=torch.float64)
+            self.query_sum = rows.new_zeros(rows.shape[1], dtype=torch.float64)
+            self.query_outer = rows.new_zeros(rows.shape[1], rows.shape[1], dtype=torch.float64)
         rows = rows - self.query_shift
         self.query_sum += rows.sum(0).double()
         self.query_outer += (rows.T @ rows).double()
@@ -172,7 +173,7 @@ class _Moments:
         for index, y in enumerate(sequences[: max(self.keep - len(self.key_samples), 0)]):
             # self-attention: the key side saw the very tensor the query side did; keep it once
             self.key_samples.append(self.query_samples[len(self.key_samples)] if same and index < len(
-                self.query_samples) else y.half().clone())
+                self.query_samples) else host_copy(y, torch.float16))
         # each sequence centred on its own mean: a shift shared by every key of a sequence is lost in softmax
         centred = torch.cat([y.float() - y.float().mean(0, keepdim=True) for y in sequences])
         outer = (centred.T @ centred).double()
@@ -181,15 +182,15 @@ class _Moments:
 
     def result(self) -> LayerCalibration:
         mean = self.query_sum / self.query_count
-        query_cov = self.query_outer / self.query_count - torch.outer(mean, mean)
-        key_cov = self.key_outer / max(self.key_count, 1)
+        query_cov = (self.query_outer / self.query_count - torch.outer(mean, mean)).to(HOST)
+        key_cov = (self.key_outer / max(self.key_count, 1)).to(HOST)
         key_metric = InputMetric(key_cov, torch.zeros(key_cov.shape[0], dtype=key_cov.dtype))
-        return LayerCalibration(InputMetric(query_cov, mean + self.query_shift.double()), key_metric,
+        return LayerCalibration(InputMetric(query_cov, (mean + self.query_shift.double()).to(HOST)), key_metric,
                                 self.query_samples, self.key_samples, self.scaling, self.position_bias)
 
     def add_position_bias(self, bias: torch.Tensor) -> None:
         if self.position_bias is None or bias.shape[-1] > self.position_bias.shape[-1]:
-            self.position_bias = bias[0].detach().float().clone()
+            self.position_bias = host_copy(bias[0], torch.float32)
 
 
 def _tokenizer(folder: Path):
@@ -216,6 +217,7 @@ def collect_statistics(
     token_budget: int | None = None,
     scratch: Path | None = None,
     width: int | None = None,
+    device: Device = HOST,
 ) -> tuple[Mapping[str, LayerCalibration], CalibrationBatches]:
     """Run the original model on `texts` (at most `token_budget` tokens); return input statistics (and up to
     `keep_samples` raw sequences) for each attention prefix, and the batches that ran.
@@ -223,7 +225,7 @@ def collect_statistics(
     With a `scratch` folder, a model that is one stack of blocks runs a block at a time (layerwise.py) and each
     layer's statistics wait in `scratch` until asked for: memory holds one block and one layer's statistics.
     Otherwise the whole model runs, with every layer's statistics in memory. `width`: the hidden size, to size
-    batches by (batch_tokens)."""
+    batches by (batch_tokens). The model runs on `device`; the statistics come back in host memory."""
     from .layerwise import plan_blocks
 
     batches = token_batches(_tokenizer(folder), texts, _within_positions(folder, max_length), token_budget,
@@ -242,17 +244,13 @@ def collect_statistics(
 
             return _attach_hooks(model, family, moments, current), finished
 
-        return _by_block(folder, plan, batches, current, observe, progress, scratch), batches
-    from transformers import AutoModel
-
-    from .loading import for_measuring
-
-    model = for_measuring(AutoModel.from_pretrained(folder))
+        return _by_block(folder, plan, batches, current, observe, progress, scratch, device), batches
+    model = _whole_model(folder, device)
     moments = {p: _Moments(keep=keep_samples) for p in prefixes}
     current = _CurrentBatch()
     handles = _attach_hooks(model, family, moments, current)
     try:
-        _run(model, batches, current, progress)
+        _run(model, batches, current, progress, device)
     finally:
         for handle in handles:
             handle.remove()
@@ -262,15 +260,24 @@ def collect_statistics(
     return {p: m.result() for p, m in moments.items()}, batches
 
 
+def _whole_model(folder: Path, device):
+    """The model in `folder`, loaded whole for measuring, on `device`."""
+    from transformers import AutoModel
+
+    from .loading import for_measuring
+
+    return for_measuring(AutoModel.from_pretrained(folder)).to(device)
+
+
 def _by_block(folder: Path, plan, batches: CalibrationBatches, current: _CurrentBatch, observe, progress,
-              scratch: Path) -> SpillFolder:
+              scratch: Path, device) -> SpillFolder:
     """Each layer's record from a block-at-a-time run (layerwise.BlockRunner), kept in `scratch`.
     `observe(model, prefix)` hooks that layer and returns (hook handles, a function giving its record once every
     batch has run through its block)."""
     from .layerwise import BlockRunner
 
     blocks, device_map = plan
-    runner = BlockRunner(folder, blocks, device_map, scratch / "activations")
+    runner = BlockRunner(folder, blocks, device_map, scratch / "activations", device)
     found = SpillFolder(scratch / "statistics")
     for input_ids, attention_mask, _ in batches.batches:
         runner.start({"input_ids": input_ids, "attention_mask": attention_mask})
@@ -325,7 +332,7 @@ def _attach_hooks(model, family, moments: dict[str, _Moments], current: _Current
 
 
 @torch.no_grad()
-def _run(model, batches: CalibrationBatches, current: _CurrentBatch, progress) -> None:
+def _run(model, batches: CalibrationBatches, current: _CurrentBatch, progress, device) -> None:
     encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
     done = 0
     for input_ids, attention_mask, lengths in batches.batches:
@@ -334,7 +341,7 @@ def _run(model, batches: CalibrationBatches, current: _CurrentBatch, progress) -
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         if encoder_decoder:
             inputs.update(decoder_input_ids=input_ids, decoder_attention_mask=attention_mask)
-        current.forward(model, inputs, lengths)
+        current.forward(model, moved(inputs, device), lengths)
         done += len(lengths)
     if progress:
         progress(f"calibrating{DETAIL}{batches.tokens} tokens", done, batches.texts)
@@ -407,13 +414,14 @@ class _RotaryObserver:
                 record.statistics = more if record.statistics is None else record.statistics + more
                 self.tokens[prefix] += query.shape[0]
                 if len(record.samples) < self.keep:
-                    record.samples.append(RotarySample(query.half().clone(), key.half().clone(), value.half().clone()))
+                    record.samples.append(RotarySample(*(host_copy(t, torch.float16) for t in (query, key, value))))
             cos, sin = _rotary_tables(kwargs, hidden)
             if record.setting is None or record.setting.cos.shape[0] < cos.shape[1]:
                 output = layout.output_weight(module)
-                record.setting = AttentionSetting(float(module.scaling), cos[0].float().clone(), sin[0].float().clone(),
+                record.setting = AttentionSetting(float(module.scaling), host_copy(cos[0], torch.float32),
+                                                  host_copy(sin[0], torch.float32),
                                                   getattr(module, "attn_logit_softcapping", None),
-                                                  output.detach().float().clone(), causal,
+                                                  host_copy(output, torch.float32), causal,
                                                   self._position_bias(module, args, kwargs))
             current.observed_one()
 
@@ -424,12 +432,12 @@ class _RotaryObserver:
         if self.family.position_bias is None:
             return None
         bias = _position_bias(module, self.family.position_bias, inspect.signature(module.forward), args, kwargs)
-        return None if bias is None else bias[0].detach().float().clone()
+        return None if bias is None else host_copy(bias[0], torch.float32)
 
     def finished(self, prefix: str) -> RotaryCalibration:
-        """The layer's record, statistics as means per token; forgotten here."""
+        """The layer's record, statistics as means per token in host memory; forgotten here."""
         record = self.found.pop(prefix)
-        record.statistics = record.statistics.scaled(1 / self.tokens[prefix])
+        record.statistics = record.statistics.scaled(1 / self.tokens[prefix]).to(HOST)
         return record
 
 
@@ -445,13 +453,15 @@ def _rotary_tables(kwargs: dict, hidden: torch.Tensor):
 
 def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[str], max_length: int = 128,
                               progress=None, keep_samples: int = 0, token_budget: int | None = None,
-                              scratch: Path | None = None, width: int | None = None):
+                              scratch: Path | None = None, width: int | None = None,
+                              device: Device = HOST):
     """Query energy and key second moments of every rotary layer on real text (decompose/rotary.py), as means
     per token, and up to `keep_samples` raw sequences per layer. `layers` maps a prefix to (geometry, head
     counts, causal). The queries and keys are the module's own, after any QK-norm and before RoPE, computed from the
     hidden states it receives; RoPE tables, scale and soft-capping are read from the same call. Returns the
     records by prefix and the batches that ran. With a `scratch` folder the model runs a block at a time and
-    the records wait there, as collect_statistics does."""
+    the records wait there, as collect_statistics does. The model runs on `device`; the records come back in host
+    memory."""
     from .layerwise import plan_blocks
 
     batches = token_batches(_tokenizer(folder), texts, _within_positions(folder, max_length), token_budget,
@@ -466,16 +476,12 @@ def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[st
             return [module.register_forward_pre_hook(observer.hook(prefix), with_kwargs=True)], (
                 lambda: observer.finished(prefix))
 
-        return _by_block(folder, plan, batches, current, observe, progress, scratch), batches
-    from transformers import AutoModel
-
-    from .loading import for_measuring
-
-    model = for_measuring(AutoModel.from_pretrained(folder))
+        return _by_block(folder, plan, batches, current, observe, progress, scratch, device), batches
+    model = _whole_model(folder, device)
     handles = [module.register_forward_pre_hook(observer.hook(prefix), with_kwargs=True)
                for prefix, module in _modules_of(model, layers).items()]
     try:
-        _run(model, batches, current, progress)
+        _run(model, batches, current, progress, device)
     finally:
         for handle in handles:
             handle.remove()

@@ -9,7 +9,7 @@ dtype get the same relative step.
 
 The best state on a held-out tenth of the texts (at most HELD_OUT_MAX) is kept, judged every CHECK_EVERY
 steps, and the run stops early after PATIENCE checks without a gain. Unlike the rest of a calibrated run, both
-models are loaded whole.
+models are loaded whole, on the run's device; the best state comes back in host memory.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..devices import HOST, Device, host_copy, moved
 from ..errors import BadInputError
 from ..progress import DETAIL, Progress, no_progress
 
@@ -53,7 +54,7 @@ class Distillation:
 
 
 def distill(original: Path, result: Path, texts: list[str], max_length: int, steps: int, seed: int = 0,
-            progress: Progress = no_progress) -> tuple[dict[str, torch.Tensor], Distillation]:
+            progress: Progress = no_progress, device: Device = HOST) -> tuple[dict[str, torch.Tensor], Distillation]:
     """Tune the collaborative tensors of the checkpoint at `result` against the model at `original`.
 
     Returns the best state of the tuned tensors, by parameter name in the loaded model (the caller writes them
@@ -66,8 +67,8 @@ def distill(original: Path, result: Path, texts: list[str], max_length: int, ste
 
     started = time.perf_counter()
     tokenizer = load_tokenizer(original, "distillation")
-    teacher = for_measuring(AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32))
-    student = for_measuring(load_model(result, AutoModelForCausalLM, dtype=torch.float32))
+    teacher = for_measuring(AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32)).to(device)
+    student = for_measuring(load_model(result, AutoModelForCausalLM, dtype=torch.float32)).to(device)
     tuned = _tunable(student)
     training, held_out = _split(tokenizer(texts, truncation=True, max_length=max_length)["input_ids"])
     generator = torch.Generator().manual_seed(seed)
@@ -76,7 +77,7 @@ def distill(original: Path, result: Path, texts: list[str], max_length: int, ste
 
     def batch_kl(sequences: list[list[int]]) -> tuple[torch.Tensor, int]:
         """(sum of KL(original || result) over the real tokens, how many)."""
-        input_ids, attention_mask = right_padded(sequences, pad=tokenizer.pad_token_id or 0)
+        input_ids, attention_mask = moved(right_padded(sequences, pad=tokenizer.pad_token_id or 0), device)
         real = attention_mask.bool()
         with torch.no_grad():
             target = torch.log_softmax(teacher(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)
@@ -141,5 +142,5 @@ def _tunable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 
 def _snapshot(tuned: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
-    return {name: parameter.detach().clone() for name, parameter in tuned.items()}
+    return {name: host_copy(parameter) for name, parameter in tuned.items()}
 

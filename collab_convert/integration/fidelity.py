@@ -6,13 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..devices import HOST, Device, moved
 from ..results import VerifyResult
 
 
 @torch.no_grad()
 def sentence_embeddings(model, tokenizer, texts: list[str], batch_size: int = 64, max_length: int = 128,
-                        progress=None, what: str = "embedding"):
-    """Mean-pooled final hidden states over real tokens (the sentence-transformers recipe), L2-normalised."""
+                        progress=None, what: str = "embedding", device: Device = HOST):
+    """Mean-pooled final hidden states over real tokens (the sentence-transformers recipe), L2-normalised, in
+    host memory; the model runs on `device`."""
     model.eval()
     chunks = []
     for start in range(0, len(texts), batch_size):
@@ -28,10 +30,11 @@ def sentence_embeddings(model, tokenizer, texts: list[str], batch_size: int = 64
         if getattr(model.config, "is_encoder_decoder", False):  # the decoder reads the text too, as in calibration
             batch = {**batch, "decoder_input_ids": batch["input_ids"],
                      "decoder_attention_mask": batch["attention_mask"]}
+        batch = moved(dict(batch), device)
         hidden = model(**batch).last_hidden_state.float()
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
-        chunks.append(torch.nn.functional.normalize(pooled, dim=-1))
+        chunks.append(torch.nn.functional.normalize(pooled, dim=-1).to(HOST))
     if progress:
         progress(what, len(texts), len(texts))
     return torch.cat(chunks)
@@ -65,10 +68,10 @@ LOGIT_BYTES = 16 << 20  # a batch's float32 logits: a 50k vocabulary at 128 toke
 
 @torch.no_grad()
 def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: int = 128,
-                         progress=None) -> tuple[float, float]:
+                         progress=None, device: Device = HOST) -> tuple[float, float]:
     """Top-1 agreement and mean KL(base || model) of next-token distributions over every real token of `texts`.
     Texts run in right-padded batches (a causal model's real positions never see the padding after them), as
-    many as keep one batch's logits within LOGIT_BYTES."""
+    many as keep one batch's logits within LOGIT_BYTES. Both models run on `device`."""
     from .capture import right_padded
 
     encoded = [ids for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"] if len(ids) >= 2]
@@ -78,7 +81,7 @@ def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: i
     for start in range(0, len(encoded), batch_size):
         if progress:
             progress("next-token agreement", start, len(encoded))
-        input_ids, attention_mask = right_padded(encoded[start : start + batch_size])
+        input_ids, attention_mask = moved(right_padded(encoded[start : start + batch_size]), device)
         real = attention_mask.bool()
         p = torch.log_softmax(base(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)[real]
         q = torch.log_softmax(model(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)[real]

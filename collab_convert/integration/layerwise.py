@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..devices import HOST, Device, moved
 from ..modeling.collaborative import strip_prefix
 from .loading import for_measuring
 
@@ -96,15 +97,17 @@ def _catch(module, args, kwargs):
 
 
 class BlockRunner:
-    """The model's blocks, run one at a time over batches whose activations wait on disk under `scratch`."""
+    """The model's blocks, run one at a time on `device` over batches whose activations wait on disk under
+    `scratch` (saved from host memory, so the files are the same whatever the device)."""
 
     def __init__(self, folder: Path, skeleton_blocks: list[tuple[str, str]], mapping: dict[str, str],
-                 scratch: Path):
+                 scratch: Path, device: Device = HOST):
         from transformers import AutoModel
 
-        self.scratch = scratch
+        self.scratch, self.device = scratch, torch.device(device)
         scratch.mkdir(parents=True, exist_ok=True)
-        self.model = _offloaded(AutoModel, folder, mapping, [name for name, _ in skeleton_blocks], scratch / "offload")
+        self.model = _offloaded(AutoModel, folder, mapping, [name for name, _ in skeleton_blocks], scratch / "offload",
+                                self.device)
         modules = dict(self.model.named_modules())
         self.blocks = [(modules[name], prefix) for name, prefix in skeleton_blocks]
         self.batches = 0
@@ -117,11 +120,11 @@ class BlockRunner:
         """Run the model up to its first block on one batch; keep what the block would have received."""
         handle = self.blocks[0][0].register_forward_pre_hook(_catch, with_kwargs=True)
         try:
-            self.model(**inputs)
+            self.model(**moved(inputs, self.device))
         except _BlockInputs as caught:
             inputs_path, hidden_path = self._paths(self.batches)
-            torch.save({"args": caught.args, "kwargs": caught.kwargs}, inputs_path)
-            torch.save(caught.hidden, hidden_path)
+            torch.save(moved({"args": caught.args, "kwargs": caught.kwargs}, HOST), inputs_path)
+            torch.save(moved(caught.hidden, HOST), hidden_path)
         else:
             raise RuntimeError("the model's forward pass never reached its first block")
         finally:
@@ -133,21 +136,21 @@ class BlockRunner:
         """Block `index` on one batch: its attention hooks see the inputs; its output becomes the batch's
         hidden states for the next block."""
         inputs_path, hidden_path = self._paths(batch)
-        saved = torch.load(inputs_path, weights_only=False)  # our own file, from this run
-        hidden = torch.load(hidden_path, weights_only=False)
+        saved = moved(torch.load(inputs_path, weights_only=False), self.device)  # our own file, from this run
+        hidden = moved(torch.load(hidden_path, weights_only=False), self.device)
         output = self.blocks[index][0](hidden, *saved["args"], **saved["kwargs"])
         if keep_output:
             output = output[0] if isinstance(output, (tuple, list)) else output
             partial = hidden_path.with_suffix(".partial")
-            torch.save(output.contiguous(), partial)
+            torch.save(output.to(HOST).contiguous(), partial)
             partial.replace(hidden_path)
 
 
-def load_offloaded(folder: Path, auto_class=None):
+def load_offloaded(folder: Path, auto_class=None, device: Device = HOST):
     """The model in `folder` (eval mode), each block (every ModuleList entry) and each module outside the blocks
-    offloaded to disk: a forward pass holds one of them in memory at a time. Blocks run in float32, as in
-    `_offloaded`. For measuring fidelity on models too big to hold twice. Collaborative checkpoints load through
-    our quantizer as usual."""
+    offloaded to disk: a forward pass holds one of them in memory at a time, on `device`. Blocks run in float32,
+    as in `_offloaded`. For measuring fidelity on models too big to hold twice. Collaborative checkpoints load
+    through our quantizer as usual."""
     from transformers import AutoModel
 
     from .loading import register
@@ -157,7 +160,7 @@ def load_offloaded(folder: Path, auto_class=None):
     skeleton = _skeleton(folder, auto_class)
     containers = [f"{name}.{index}" for name, module in skeleton.named_modules() if isinstance(module, nn.ModuleList)
                   for index in range(len(module))]
-    return _offloaded(auto_class, folder, offload_map(skeleton, containers), containers, None)
+    return _offloaded(auto_class, folder, offload_map(skeleton, containers), containers, None, torch.device(device))
 
 
 def _skeleton(folder: Path, auto_class) -> nn.Module:
@@ -168,11 +171,13 @@ def _skeleton(folder: Path, auto_class) -> nn.Module:
         return auto_class.from_config(AutoConfig.from_pretrained(folder))
 
 
-def _offloaded(auto_class, folder: Path, mapping: dict[str, str], blocks: list[str], offload_folder: Path | None):
+def _offloaded(auto_class, folder: Path, mapping: dict[str, str], blocks: list[str], offload_folder: Path | None,
+               device: torch.device):
     """Loaded in the checkpoint's own dtype (converting at load would materialise every weight at once), then the
     blocks declared float32: accelerate casts each weight to its parameter's dtype as it loads it for a forward
     pass. The modules outside the blocks keep the checkpoint's dtype (a 50k-word embedding table is 200 MB in
-    float32, and a lookup reads a few rows of it); inputs are cast at each boundary."""
+    float32, and a lookup reads a few rows of it); inputs are cast at each boundary. Every module runs on
+    `device`: its hook loads its weights there."""
     # accelerate warns that offloaded parameters sit on the meta device: here that is the point
     big_modeling = logging.getLogger("accelerate.big_modeling")
     level = big_modeling.level
@@ -182,14 +187,37 @@ def _offloaded(auto_class, folder: Path, mapping: dict[str, str], blocks: list[s
                                            offload_folder=None if offload_folder is None else str(offload_folder))
     finally:
         big_modeling.setLevel(level)
+    _run_on(model, device)
     modules = dict(model.named_modules())
     for block in blocks:
         # meta parameters change dtype for free; buffers and the few loaded ones are small. nn.Module's own
         # float(): transformers refuses it on models loaded through a quantizer (ours)
         nn.Module.float(modules[block])
-        _load_whole_block(modules[block])
+        _load_whole_block(modules[block], device)
     _cast_at_boundaries(modules, blocks, [name for name in mapping if name in modules and name not in blocks])
     return for_measuring(model)
+
+
+def _run_on(model: nn.Module, device: torch.device) -> None:
+    """Every accelerate hook of `model` loads its weights and moves its inputs to `device`, and the tensors
+    loaded at load time (buffers, the few weights not offloaded) move there too. A device map of nothing but
+    "disk" leaves accelerate's execution device on the CPU: transformers' loader has no word for another."""
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        for one in getattr(hook, "hooks", [hook]):  # accelerate's SequentialHook holds several
+            if getattr(one, "execution_device", None) is not None:
+                one.execution_device = device
+        for store in (module._parameters, module._buffers):
+            for name, tensor in store.items():
+                if tensor is not None and tensor.device.type == "cpu" and device.type != "cpu":
+                    store[name] = _moved_like(tensor, device)
+
+
+def _moved_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`, a Parameter where it was one."""
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(tensor.data.to(device), requires_grad=tensor.requires_grad)
+    return tensor.to(device)
 
 
 def _cast_at_boundaries(modules: dict[str, nn.Module], blocks: list[str], others: list[str]) -> None:
@@ -241,7 +269,7 @@ def _cast(value, dtype: torch.dtype):
     return value
 
 
-def _load_whole_block(block: nn.Module) -> None:
+def _load_whole_block(block: nn.Module, device: torch.device) -> None:
     """accelerate hooks every submodule that holds weights, loading them as that submodule runs; a collaborative
     attention module reads its submodules' weights directly (one GEMM over shared_key and content_bias). One
     hook on the block loads all of the block's weights as it starts and drops them as it ends instead."""
@@ -258,7 +286,7 @@ def _load_whole_block(block: nn.Module) -> None:
     else:
         return  # nothing offloaded here
     remove_hook_from_submodules(block)
-    add_hook_to_module(block, AlignDevicesHook(execution_device=torch.device("cpu"), offload=True,
+    add_hook_to_module(block, AlignDevicesHook(execution_device=device, offload=True,
                                                weights_map=PrefixedDataset(dataset, prefix), place_submodules=True))
 
 

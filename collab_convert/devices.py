@@ -1,0 +1,32 @@
+"""Where a run's math happens (--device), and the moves into and out of it.
+
+Whatever one stage hands to the next stays in host memory: statistics, refinement samples, fits, the tensors
+written. A stage moves what it computes on to the device, works there, and hands back host copies. So --device
+cuda changes where the work runs, and nothing of what is kept, spilled to disk or written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+HOST = torch.device("cpu")
+Device = torch.device | str  # "cpu", "cuda", "cuda:1", or a torch.device
+
+
+def moved(value, device: Device, dtype: torch.dtype | None = None):
+    """`value` with every tensor in it (in tuples, lists and dicts too) on `device`; floating ones also cast to
+    `dtype` where one is given. Tensors already there are returned as they are, not copied."""
+    if isinstance(value, torch.Tensor):
+        cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
+        return value.to(device=device, dtype=cast)
+    if isinstance(value, (tuple, list)):
+        return type(value)(moved(item, device, dtype) for item in value)
+    if isinstance(value, dict):
+        return {key: moved(item, device, dtype) for key, item in value.items()}
+    return value
+
+
+def host_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A copy of `tensor` in host memory that owns its storage: never a view into a batch that is dropped
+    later, wherever the batch lives."""
+    return tensor.detach().to(device=HOST, dtype=dtype or tensor.dtype, copy=True)
