@@ -199,25 +199,18 @@ def _offloaded(auto_class, folder: Path, mapping: dict[str, str], blocks: list[s
 
 
 def _run_on(model: nn.Module, device: torch.device) -> None:
-    """Every accelerate hook of `model` loads its weights and moves its inputs to `device`, and the tensors
-    loaded at load time (buffers, the few weights not offloaded) move there too. A device map of nothing but
-    "disk" leaves accelerate's execution device on the CPU: transformers' loader has no word for another."""
+    """Every accelerate hook of `model` loads its module's weights on `device` and moves its inputs there, and the
+    buffers accelerate keeps in memory (position ids, rotary frequencies) move there too, as its hooks put them
+    on their execution device when they are attached. A map of nothing but "disk" leaves that device on the
+    CPU, and transformers' loader has no word for another."""
     for module in model.modules():
         hook = getattr(module, "_hf_hook", None)
         for one in getattr(hook, "hooks", [hook]):  # accelerate's SequentialHook holds several
             if getattr(one, "execution_device", None) is not None:
                 one.execution_device = device
-        for store in (module._parameters, module._buffers):
-            for name, tensor in store.items():
-                if tensor is not None and tensor.device.type == "cpu" and device.type != "cpu":
-                    store[name] = _moved_like(tensor, device)
-
-
-def _moved_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` on `device`, a Parameter where it was one."""
-    if isinstance(tensor, nn.Parameter):
-        return nn.Parameter(tensor.data.to(device), requires_grad=tensor.requires_grad)
-    return tensor.to(device)
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device.type != "meta":
+                module._buffers[name] = buffer.to(device)
 
 
 def _cast_at_boundaries(modules: dict[str, nn.Module], blocks: list[str], others: list[str]) -> None:
