@@ -23,6 +23,9 @@ def analyze(model: str, ranks: list[int] | None = None, progress: Progress = no_
     error a fit at each candidate rank gives. With calibration text, the logit error and the embedding cosine
     measured on held-out lines; with a target cosine, the smallest rank that reaches it."""
     options = options or AnalyzeOptions(ranks=ranks)
+    from .stages import check_device
+
+    check_device(options.device)
     progress("opening the model", 0, 1)
     source = open_model(model, options.form)
     progress("opening the model", 1, 1)
@@ -40,7 +43,7 @@ def analyze(model: str, ranks: list[int] | None = None, progress: Progress = no_
         layers = []
         for index, layer in enumerate(source.layers):
             progress("analyzing", index, len(source.layers))
-            layers.append(_analyze_layer(source, layer, wanted, metrics))
+            layers.append(_analyze_layer(source, layer, wanted, metrics, settings.device))
         progress("analyzing", len(source.layers), len(source.layers))
         result = AnalysisResult(model=model, family=source.family.name, layers=layers,
                                 predictions=_predictions(layers, wanted), forms=forms_offered(source.config))
@@ -67,7 +70,7 @@ def _statistics(source: SourceModel, settings: CompressOptions, progress: Progre
     return metrics, held_out
 
 
-def _analyze_layer(source: SourceModel, layer, ranks: list[int], metrics) -> LayerAnalysis:
+def _analyze_layer(source: SourceModel, layer, ranks: list[int], metrics, device: str = "cpu") -> LayerAnalysis:
     products = source.read_projections(layer).products(layer.shape.num_heads)
     spec = spectra(products)
     views = {
@@ -82,7 +85,8 @@ def _analyze_layer(source: SourceModel, layer, ranks: list[int], metrics) -> Lay
     for rank in ranks:
         at = min(rank, layer.shape.key_dim)
         fit = method_named(DEFAULT_METHOD).fit(FitRequest(
-            products, at, query_metric=metric.query if metric else None, key_metric=metric.key if metric else None,
+            products, at, device=device, query_metric=metric.query if metric else None,
+            key_metric=metric.key if metric else None,
         ))
         cost = collaborative_cost(layer.shape, at, layer.stores_content_bias(metric is not None))
         cost = cost.cached(layer.caches_keys).as_dict()

@@ -53,6 +53,16 @@ class _ModelInputs(BaseModel):
         description="The smallest rank whose embedding cosine to the original reaches this (compress --rank auto: "
         "default 0.99), measured on held-out --calibration lines or built-in sentences.",
     )
+    # Where the math runs (devices.py). Reading, writing, the small SVDs and the rotary fits stay on the CPU.
+    device: str = Field("cpu", description="Run the math on cpu or cuda[:N]: the fits, and with --calibration the "
+                        "calibration passes, refinement, distillation and fidelity measurement.")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if value != "cpu" and not value.startswith("cuda"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {value!r}")
+        return value
 
 
 class CompressOptions(_ModelInputs):
@@ -102,9 +112,6 @@ class CompressOptions(_ModelInputs):
     max_shard_size: int | str = Field(
         "5GB", description="Largest safetensors shard, e.g. 500MB.", json_schema_extra={"cli_type": str}
     )
-    # Where the math runs (devices.py). Reading, writing, the small SVDs and the rotary fits stay on the CPU.
-    device: str = Field("cpu", description="Run the math on cpu or cuda[:N]: the fits, and with --calibration the "
-                        "calibration passes, refinement, distillation and fidelity measurement.")
     method: str = Field(
         DEFAULT_METHOD, description=" or ".join(f"{name} ({m.description.split(':')[0]})" for name, m in METHODS.items()) + "."
     )
@@ -126,13 +133,6 @@ class CompressOptions(_ModelInputs):
     def requested_form(self) -> str:
         """The form asked for: --key-cache alone asks for the shared-key form, whose cache it sizes."""
         return "shared-key" if self.form == "auto" and self.key_cache is not None else self.form
-
-    @field_validator("device")
-    @classmethod
-    def _known_device(cls, value: str) -> str:
-        if value != "cpu" and not value.startswith("cuda"):
-            raise ValueError(f"device must be cpu or cuda[:N], got {value!r}")
-        return value
 
     @field_validator("method")
     @classmethod

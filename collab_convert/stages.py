@@ -35,8 +35,7 @@ def check_plan(source: SourceModel, options: CompressOptions, ranks: dict[str, i
     parse_size(options.max_shard_size)
     output = options.output.expanduser().resolve()
     check_output(output, source.folder, options.overwrite)
-    if options.device.startswith("cuda") and not torch.cuda.is_available():
-        raise BadInputError(f"--device {options.device} was asked for, but torch sees no CUDA device here")
+    check_device(options.device)
     if options.calibration is not None and not method_named(options.method).calibrates:
         raise BadInputError(f"--calibration does not work with the {options.method} method")
     if options.distill_steps:
@@ -52,6 +51,12 @@ def check_plan(source: SourceModel, options: CompressOptions, ranks: dict[str, i
         parameters_before=sum(layer["parameters_before"] for layer in layers),
         parameters_after=sum(layer["parameters_after"] or 0 for layer in layers),
     )
+
+
+def check_device(device: str) -> None:
+    """Refuse a CUDA device torch cannot see, before anything runs."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BadInputError(f"--device {device} was asked for, but torch sees no CUDA device here")
 
 
 def within_positions(source: SourceModel, options: CompressOptions) -> CompressOptions:

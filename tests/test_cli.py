@@ -153,4 +153,6 @@ def test_device_cpu_is_the_same_code_path_and_missing_cuda_is_a_clear_error(tiny
         assert main(["compress", str(tiny_bert), "--rank", "24", "-o", str(tmp_path / "gpu"), "--device", "cuda"]) == 3
         assert "no CUDA device" in capsys.readouterr().err
         assert not (tmp_path / "gpu").exists()
+        assert main(["analyze", str(tiny_bert), "--device", "cuda:1"]) == 3
+        assert "--device cuda:1 was asked for" in capsys.readouterr().err
     assert main(["compress", str(tiny_bert), "--rank", "24", "-o", str(tmp_path / "x"), "--device", "tpu"]) == 2

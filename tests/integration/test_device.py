@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from collab_convert import CompressOptions, compress
+from collab_convert import CompressOptions, analyze, compress
+from collab_convert.options import AnalyzeOptions
 from collab_convert.decompose.products import CollaborativeFactors
 from collab_convert.decompose.refinement import refine_attention
 from fixtures.devices import STAND_IN, stand_in_device
@@ -124,3 +125,24 @@ def test_a_rotary_model_refines_and_distils_on_the_device(tmp_path):
     assert device.distillation["kl_after"] == pytest.approx(host.distillation["kl_after"], rel=1e-5)
     assert device.fidelity["top1_agreement"] == host.fidelity["top1_agreement"]
     assert_same_checkpoints(tmp_path / "host", tmp_path / "device")
+
+
+def test_a_calibrated_analysis_runs_on_the_device_it_is_given(tmp_path, monkeypatch):
+    from collab_convert import analysis
+
+    # analyze checks its settings as compress's options, which refuse the stand-in's name (see above)
+    settings = analysis._fit_settings
+    monkeypatch.setattr(analysis, "_fit_settings", lambda options: settings(
+        options.model_copy(update={"device": "cpu"})).model_copy(update={"device": options.device}))
+    build_family(family_case("bert"), tmp_path / "in")
+    save_tiny_tokenizer(tmp_path / "in")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(TEXTS) + "\n")
+    options = AnalyzeOptions(ranks=[8, 16], calibration=texts, calibration_samples=24)
+    host = analyze(str(tmp_path / "in"), options=options)
+    with stand_in_device() as ran:
+        device = analyze(str(tmp_path / "in"), options=options.model_copy(update={"device": str(STAND_IN)}))
+    assert ran["embedding"] > 0 and ran["linalg_cholesky_ex"] > 0
+    for mine, theirs in zip(device.predictions, host.predictions, strict=True):
+        assert mine.mean_logit_error == pytest.approx(theirs.mean_logit_error, rel=1e-6)
+        assert mine.cosine_mean == pytest.approx(theirs.cosine_mean, abs=1e-6)
