@@ -388,6 +388,12 @@ def export(
             f"PyTorch to {result.max_abs_difference:.1e} on {result.checked_on}.", highlight=False)
 
 
+def _device_name(value: str) -> str:
+    if value != "cpu" and not value.startswith("cuda"):
+        raise typer.BadParameter(f"device must be cpu or cuda[:N], got {value!r}")
+    return value
+
+
 @app.command()
 def verify(
     model: str = typer.Argument(..., help="The compressed checkpoint (a folder).", metavar="CHECKPOINT"),
@@ -398,6 +404,7 @@ def verify(
     min_cosine_p01: Optional[float] = typer.Option(None, "--min-cosine-p01", help="Exit 1 if the 1st-percentile cosine is below this."),
     min_top1: Optional[float] = typer.Option(None, "--min-top1", help="Language models: exit 1 if next-token top-1 agreement is below this."),
     max_kl: Optional[float] = typer.Option(None, "--max-kl", help="Language models: exit 1 if the mean next-token KL exceeds this."),
+    device: str = typer.Option("cpu", "--device", callback=_device_name, help="Run both models on cpu or cuda[:N]."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
 ) -> None:
@@ -411,7 +418,8 @@ def verify(
 
     thresholds = {"min_cosine": min_cosine, "min_cosine_p01": min_cosine_p01, "min_top1": min_top1, "max_kl": max_kl}
     _Quiet.quiet = quiet
-    result = _run_with_progress(run_verify, model, against, read_texts(texts, samples), thresholds, show=not as_json)
+    result = _run_with_progress(run_verify, model, against, read_texts(texts, samples), thresholds, show=not as_json,
+                                device=device)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     else:

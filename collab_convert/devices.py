@@ -30,3 +30,10 @@ def host_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
     """A copy of `tensor` in host memory that owns its storage: never a view into a batch that is dropped
     later, wherever the batch lives."""
     return tensor.detach().to(device=HOST, dtype=dtype or tensor.dtype, copy=True)
+
+
+def unavailable(device: str) -> str | None:
+    """Why `device` ("cpu", "cuda", "cuda:N") cannot be used here, in a line; None where it can."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return f"--device {device} was asked for, but torch sees no CUDA device here"
+    return None

@@ -18,6 +18,7 @@ from .decompose.costs import collaborative_cost, original_cost
 from .decompose.methods import FitRequest, LayerFit, method_named
 from .decompose.products import content_bias, relative_error
 from .cpu import reused_heap
+from .devices import unavailable
 from .errors import BadInputError
 from .format import CONTENT_BIAS, FormatConfig, HeadCounts, collaborative_tensors, write_config
 from .io.folders import check_output
@@ -55,8 +56,9 @@ def check_plan(source: SourceModel, options: CompressOptions, ranks: dict[str, i
 
 def check_device(device: str) -> None:
     """Refuse a CUDA device torch cannot see, before anything runs."""
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise BadInputError(f"--device {device} was asked for, but torch sees no CUDA device here")
+    why = unavailable(device)
+    if why:
+        raise BadInputError(why)
 
 
 def within_positions(source: SourceModel, options: CompressOptions) -> CompressOptions:

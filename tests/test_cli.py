@@ -155,4 +155,9 @@ def test_device_cpu_is_the_same_code_path_and_missing_cuda_is_a_clear_error(tiny
         assert not (tmp_path / "gpu").exists()
         assert main(["analyze", str(tiny_bert), "--device", "cuda:1"]) == 3
         assert "--device cuda:1 was asked for" in capsys.readouterr().err
+        verify = ["verify", str(tmp_path / "cpu"), "--against", str(tiny_bert), "--texts", str(tmp_path / "texts")]
+        (tmp_path / "texts").write_text("one text\n")
+        assert main(verify + ["--device", "cuda"]) == 3
+        assert capsys.readouterr().err.count("\n") == 1
+        assert main(verify + ["--device", "tpu"]) == 2
     assert main(["compress", str(tiny_bert), "--rank", "24", "-o", str(tmp_path / "x"), "--device", "tpu"]) == 2

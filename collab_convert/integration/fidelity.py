@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..devices import HOST, Device, moved
+from ..devices import HOST, Device, moved, unavailable
+from ..errors import BadInputError
 from ..results import VerifyResult
 
 
@@ -94,33 +95,37 @@ def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: i
 
 
 def verify(model: str, against: str, texts: list[str], thresholds: dict[str, float] | None = None,
-           max_length: int = 128, progress=None) -> VerifyResult:
-    """Load both checkpoints and compare them on `texts`; list every threshold that fails."""
+           max_length: int = 128, progress=None, device: str = "cpu") -> VerifyResult:
+    """Load both checkpoints on `device` and compare them on `texts`; list every threshold that fails."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from ..architectures.families import within_positions
     from ..io.folders import resolve_model
     from .loading import for_measuring, load_tokenizer, register
 
+    if unavailable(device):
+        raise BadInputError(unavailable(device))
     register()
     folder, base_folder = resolve_model(model), resolve_model(against)
     tokenizer = load_tokenizer(folder, f"verifying {model}")
     config = AutoConfig.from_pretrained(base_folder)
     causal = is_language_model(config.architectures)
     max_length = within_positions(config.to_dict(), max_length)
-    base = for_measuring(AutoModel.from_pretrained(base_folder))
-    compressed = for_measuring(AutoModel.from_pretrained(folder))
+    base = for_measuring(AutoModel.from_pretrained(base_folder)).to(device)
+    compressed = for_measuring(AutoModel.from_pretrained(folder)).to(device)
     cos = cosine_stats(
-        sentence_embeddings(base, tokenizer, texts, max_length=max_length, progress=progress, what="embedding (base)"),
+        sentence_embeddings(base, tokenizer, texts, max_length=max_length, progress=progress, what="embedding (base)",
+                            device=device),
         sentence_embeddings(compressed, tokenizer, texts, max_length=max_length, progress=progress,
-                            what="embedding (compressed)"),
+                            what="embedding (compressed)", device=device),
     )
     result = VerifyResult(model, against, len(texts), cos.mean, cos.p01, cos.minimum)
     if causal:
+        del base, compressed  # two models in memory at a time, not four
         result.top1_agreement, result.kl_mean = next_token_agreement(
-            for_measuring(AutoModelForCausalLM.from_pretrained(folder)),
-            for_measuring(AutoModelForCausalLM.from_pretrained(base_folder)),
-            tokenizer, texts, max_length, progress,
+            for_measuring(AutoModelForCausalLM.from_pretrained(folder)).to(device),
+            for_measuring(AutoModelForCausalLM.from_pretrained(base_folder)).to(device),
+            tokenizer, texts, max_length, progress, device,
         )
     result.failures = threshold_failures(result, thresholds or {})
     return result
