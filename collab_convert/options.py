@@ -55,7 +55,7 @@ class _ModelInputs(BaseModel):
     )
     # Where the math runs (devices.py). Reading, writing, the small SVDs and the rotary fits stay on the CPU.
     device: str = Field("cpu", description="Run the math on cpu or cuda[:N]: the fits, and with --calibration the "
-                        "calibration passes, refinement, distillation and fidelity measurement.")
+                        "model's calibration passes and everything that runs the model or refines after them.")
 
     @field_validator("device")
     @classmethod
