@@ -33,8 +33,7 @@ def mpnet_forward(self, hidden_states, attention_mask=None, position_bias=None, 
 def opt_forward(self, hidden_states, cache=None, attention_mask=None, output_attentions=False, **kwargs):
     """OPTAttention.forward (transformers 5), whose views name the head count, with collaborative queries
     and keys. The cache stores the packed shared key, not per-head keys."""
-    if cache is None:
-        cache = kwargs.pop("past_key_values", None)
+    cache = given_cache(cache, kwargs)
     batch, length, _ = hidden_states.size()
     queries, keys = self.shared_heads(hidden_states)
     values = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
@@ -72,8 +71,7 @@ def bart_forward(self, hidden_states, key_value_states=None, cache=None, attenti
     """BartAttention.forward (transformers 5; mBART's, Marian's and Pegasus' are copies of it) with
     collaborative queries and keys. Self-attention caches exactly the packed shared key; encoder-decoder
     attention caches the encoder's packed key once, as the original caches its keys."""
-    if cache is None:
-        cache = kwargs.pop("past_key_values", None)
+    cache = given_cache(cache, kwargs)
     input_shape = hidden_states.shape[:-1]
     queries = nn.functional.linear(hidden_states, self.shared_query.weight).unsqueeze(1)
     keys, values = encoder_decoder_keys(self, hidden_states, key_value_states, cache,
@@ -88,8 +86,7 @@ def bart_forward(self, hidden_states, key_value_states=None, cache=None, attenti
 def t5_forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, cache=None, **kwargs):
     """T5Attention.forward (transformers 5) with collaborative queries and keys: the relative position bias and
     the unscaled scores stay as they are; the caches hold exactly the packed shared key, as in bart_forward."""
-    if cache is None:
-        cache = kwargs.pop("past_key_values", None)
+    cache = given_cache(cache, kwargs)
     input_shape = hidden_states.shape[:-1]
     seen = past_seen_tokens(self, cache)
     queries = nn.functional.linear(hidden_states, self.shared_query.weight).unsqueeze(1)
@@ -152,6 +149,13 @@ def encoder_decoder_keys(self, hidden_states, key_value_states, cache, keys_and_
         if cross and isinstance(cache, EncoderDecoderCache):
             cache.is_updated[self.layer_idx] = True
     return keys, values
+
+
+def given_cache(cache, kwargs: dict):
+    """The cache passed as `cache`, or under the name transformers 5 deprecated for it (`past_key_values`); the
+    old name is taken out of `kwargs` either way, so it never reaches the attention function."""
+    old = kwargs.pop("past_key_values", None)
+    return cache if cache is not None else old
 
 
 def self_attention_cache(cache, kwargs: dict, *other_names: str):

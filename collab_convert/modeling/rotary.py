@@ -25,7 +25,7 @@ from torch import nn
 from ..decompose.rotary_ops import query_basis_matrix, rotate_slots
 from ..format import HeadCounts
 from .attention import is_tracing
-from .forwards import encoder_decoder_keys, past_seen_tokens, self_attention_cache, t5_position_bias
+from .forwards import encoder_decoder_keys, given_cache, past_seen_tokens, self_attention_cache, t5_position_bias
 
 
 class RotarySharedKeyMixin:
@@ -100,7 +100,7 @@ def _shared_keys_and_values(module):
 def bart_shared_key_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):
     """BartAttention.forward (transformers 5; mBART's, Marian's and Pegasus' are copies) in the shared-key form:
     self-attention caches exactly the shared key; encoder-decoder attention caches the encoder's once."""
-    cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+    cache = given_cache(cache, kwargs)
     batch, length = hidden_states.shape[:2]
     query = _shared_query(self, hidden_states)
     key, value = encoder_decoder_keys(self, hidden_states, key_value_states, cache, _shared_keys_and_values(self),
@@ -114,7 +114,7 @@ def t5_shared_key_forward(self, hidden_states, mask=None, key_value_states=None,
                           **kwargs):
     """T5Attention.forward (transformers 5) in the shared-key form: the relative position bias and the unscaled
     scores stay as they are; caches as in bart_shared_key_forward."""
-    cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+    cache = given_cache(cache, kwargs)
     batch, length = hidden_states.shape[:2]
     seen = past_seen_tokens(self, cache)
     query = _shared_query(self, hidden_states)
