@@ -389,8 +389,10 @@ def export(
 
 
 def _device_name(value: str) -> str:
-    if value != "cpu" and not value.startswith("cuda"):
-        raise typer.BadParameter(f"device must be cpu or cuda[:N], got {value!r}")
+    from .devices import misnamed
+
+    if misnamed(value):
+        raise typer.BadParameter(misnamed(value))
     return value
 
 

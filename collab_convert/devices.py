@@ -7,6 +7,8 @@ cuda changes where the work runs, and nothing of what is kept, spilled to disk o
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 HOST = torch.device("cpu")
@@ -32,8 +34,21 @@ def host_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
     return tensor.detach().to(device=HOST, dtype=dtype or tensor.dtype, copy=True)
 
 
+def misnamed(device: str) -> str | None:
+    """What is wrong with `device` as a --device value, in a line; None for "cpu", "cuda" and "cuda:N"."""
+    if re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        return None
+    return f"device must be cpu or cuda[:N], got {device!r}"
+
+
 def unavailable(device: str) -> str | None:
     """Why `device` ("cpu", "cuda", "cuda:N") cannot be used here, in a line; None where it can."""
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if not device.startswith("cuda"):
+        return None
+    if not torch.cuda.is_available():
         return f"--device {device} was asked for, but torch sees no CUDA device here"
+    index, count = torch.device(device).index, torch.cuda.device_count()
+    if index is not None and index >= count:
+        return (f"--device {device} was asked for, but torch sees {count} CUDA device(s) here: "
+                f"cuda:0 to cuda:{count - 1}")
     return None

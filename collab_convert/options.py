@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .decompose.methods import METHODS
+from .devices import misnamed
 
 DEFAULT_METHOD = "tucker-cp-als"
 DEFAULT_CALIBRATION_TOKENS = 131072  # 512 texts of 256 tokens: second moments of a 4096-wide layer settle well before
@@ -60,8 +61,8 @@ class _ModelInputs(BaseModel):
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
-        if value != "cpu" and not value.startswith("cuda"):
-            raise ValueError(f"device must be cpu or cuda[:N], got {value!r}")
+        if misnamed(value):
+            raise ValueError(misnamed(value))
         return value
 
 

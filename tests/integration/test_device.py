@@ -160,3 +160,17 @@ def test_verify_runs_both_models_on_the_device_it_is_given(tmp_path):
     assert ran["embedding"] >= 4  # base and compressed, for embeddings and for next tokens
     assert device.cosine_mean == pytest.approx(host.cosine_mean, abs=1e-6)
     assert device.top1_agreement == host.top1_agreement and device.kl_mean == pytest.approx(host.kl_mean, rel=1e-5)
+
+
+def test_a_cuda_device_that_is_not_there_is_named_in_one_line(monkeypatch):
+    from collab_convert.devices import misnamed, unavailable
+
+    assert misnamed("cuda:abc") and misnamed("cuda1") and misnamed("cpu:0") and misnamed("gpu")
+    assert not misnamed("cuda:12") and not misnamed("cuda") and not misnamed("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert unavailable("cuda") is None and unavailable("cuda:1") is None and unavailable("cpu") is None
+    assert unavailable("cuda:2") == ("--device cuda:2 was asked for, but torch sees 2 CUDA device(s) here: "
+                                     "cuda:0 to cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "no CUDA device" in unavailable("cuda")
