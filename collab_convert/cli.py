@@ -389,10 +389,10 @@ def export(
 
 
 def _device_name(value: str) -> str:
-    from .devices import misnamed
+    from .options import misnamed_device
 
-    if misnamed(value):
-        raise typer.BadParameter(misnamed(value))
+    if misnamed_device(value):
+        raise typer.BadParameter(misnamed_device(value))
     return value
 
 

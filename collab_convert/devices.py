@@ -7,8 +7,6 @@ cuda changes where the work runs, and nothing of what is kept, spilled to disk o
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 HOST = torch.device("cpu")
@@ -32,13 +30,6 @@ def host_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
     """A copy of `tensor` in host memory that owns its storage: never a view into a batch that is dropped
     later, wherever the batch lives."""
     return tensor.detach().to(device=HOST, dtype=dtype or tensor.dtype, copy=True)
-
-
-def misnamed(device: str) -> str | None:
-    """What is wrong with `device` as a --device value, in a line; None for "cpu", "cuda" and "cuda:N"."""
-    if re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        return None
-    return f"device must be cpu or cuda[:N], got {device!r}"
 
 
 def unavailable(device: str) -> str | None:

@@ -7,16 +7,24 @@ it as (`cli_type`, for values the CLI parses itself, like `--rank auto`).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .decompose.methods import METHODS
-from .devices import misnamed
 
 DEFAULT_METHOD = "tucker-cp-als"
 DEFAULT_CALIBRATION_TOKENS = 131072  # 512 texts of 256 tokens: second moments of a 4096-wide layer settle well before
+
+
+def misnamed_device(device: str) -> str | None:
+    """What is wrong with `device` as a --device value, in a line; None for "cpu", "cuda" and "cuda:N". A rule
+    on the name alone: whether torch can use it is devices.unavailable's question, asked when a job starts."""
+    if re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        return None
+    return f"device must be cpu or cuda[:N], got {device!r}"
 
 
 class _ModelInputs(BaseModel):
@@ -61,8 +69,8 @@ class _ModelInputs(BaseModel):
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
-        if misnamed(value):
-            raise ValueError(misnamed(value))
+        if misnamed_device(value):
+            raise ValueError(misnamed_device(value))
         return value
 
 

@@ -163,7 +163,8 @@ def test_verify_runs_both_models_on_the_device_it_is_given(tmp_path):
 
 
 def test_a_cuda_device_that_is_not_there_is_named_in_one_line(monkeypatch):
-    from collab_convert.devices import misnamed, unavailable
+    from collab_convert.devices import unavailable
+    from collab_convert.options import misnamed_device as misnamed
 
     assert misnamed("cuda:abc") and misnamed("cuda1") and misnamed("cpu:0") and misnamed("gpu")
     assert not misnamed("cuda:12") and not misnamed("cuda") and not misnamed("cpu")
