@@ -1,5 +1,6 @@
 """--device for the whole calibrated path: calibration passes (whole and a block at a time), fits, refinement,
-distillation and fidelity run on the device they are given and hand host copies on.
+distillation and fidelity run on the device they are given and hand host copies on; so do a calibrated analyze
+and verify.
 
 No GPU here: the runs use a stand-in device (fixtures/devices.py) whose tensors compute on the CPU but refuse
 to meet host tensors in one operation, as CUDA's do. A run that forgot to move something fails; one that
