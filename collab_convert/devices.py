@@ -13,9 +13,10 @@ HOST = torch.device("cpu")
 Device = torch.device | str  # "cpu", "cuda", "cuda:1", or a torch.device
 
 
-def moved(value, device: Device, dtype: torch.dtype | None = None):
-    """`value` with every tensor in it (in tuples, lists and dicts too) on `device`; floating ones also cast to
-    `dtype` where one is given. Tensors already there are returned as they are, not copied."""
+def moved(value, device: Device | None = None, dtype: torch.dtype | None = None):
+    """`value` with every tensor in it (in tuples, lists and dicts too) on `device` (None: where it is), the
+    floating ones also cast to `dtype` where one is given. Tensors already so are returned as they are, not
+    copied."""
     if isinstance(value, torch.Tensor):
         cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
         return value.to(device=device, dtype=cast)

@@ -84,7 +84,7 @@ class _BlockInputs(Exception):
 def _float32(value):
     """Floating tensors (in tuples, lists, dicts too) as float32: the modules before the first block run in the
     checkpoint's dtype, the blocks in float32."""
-    return _cast(value, torch.float32)
+    return moved(value, dtype=torch.float32)
 
 
 def _catch(module, args, kwargs):
@@ -228,7 +228,7 @@ def _cast_at_boundaries(modules: dict[str, nn.Module], blocks: list[str], others
             _float32_in_slices(module)
         else:
             module.register_forward_pre_hook(lambda module, args, kwargs, dtype=dtype: (
-                _cast(args, dtype), _cast(kwargs, dtype)), with_kwargs=True)
+                moved(args, dtype=dtype), moved(kwargs, dtype=dtype)), with_kwargs=True)
 
 
 SLICE_ROWS = 8192  # output rows of a head converted to float32 at a time: 32 MB at a width of 1024
@@ -250,16 +250,6 @@ def _float32_in_slices(linear: nn.Linear) -> None:
         linear._old_forward = forward
     else:
         linear.forward = forward
-
-
-def _cast(value, dtype: torch.dtype):
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast(item, dtype) for item in value)
-    if isinstance(value, dict):
-        return {key: _cast(item, dtype) for key, item in value.items()}
-    return value
 
 
 def _load_whole_block(block: nn.Module, device: torch.device) -> None:
