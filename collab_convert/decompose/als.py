@@ -183,8 +183,7 @@ def _als(core: HeadProducts, start: CollaborativeFactors, history: list[float], 
     """
     als = _FactoredALS(core, ALS_DTYPE, device)
     error = history[-1]
-    state = als.start(*(t.to(device=device, dtype=ALS_DTYPE) for t in (start.shared_query, start.shared_key, start.mixing)),
-                      error)
+    state = als.start(*(t.to(device=device, dtype=ALS_DTYPE) for t in (start.shared_key, start.mixing)), error)
     power = 3.0  # extrapolation step iteration^(1/power), grown more timid after each failed jump
     iterations = 0
     for iterations in range(1, max_iterations + 1):
@@ -245,8 +244,9 @@ class _FactoredALS:
         )
         self.query_cross, self.key_cross = (rows @ rows.T for rows in (self.query_rows, self.key_rows))
 
-    def start(self, q, k, m, error: float) -> _ALSState:
-        """A state whose key side is ready for a sweep (a sweep's first update reads only k and m)."""
+    def start(self, k, m, error: float) -> _ALSState:
+        """A state whose key side is ready for a sweep: a sweep's first update reads only the key factor and the
+        mixing, so the start's query factor is not needed."""
         kproj = (self.key_rows @ k).reshape(*self.head_shape, -1)
         return _ALSState(None, None, m, None, kproj, None, k.T @ k, error)
 
