@@ -55,6 +55,13 @@ def documents(words_per_document: int = WORDS_PER_DOCUMENT) -> tuple[list[str], 
     return calibration, held_out
 
 
+def chosen_documents(count: int, evaluate: int) -> tuple[list[str], list[str]]:
+    """`count` calibration documents and `evaluate` held-out ones, each spread evenly over its side."""
+    calibration, held_out = documents()
+    calibration = calibration[:: max(len(calibration) // count, 1)][:count]
+    return calibration, held_out[:: max(len(held_out) // evaluate, 1)][:evaluate]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", default="192,96")
@@ -72,9 +79,7 @@ def main() -> None:
 
 
 def fidelity(args) -> None:
-    calibration, held_out = documents()
-    calibration, held_out = calibration[:: max(len(calibration) // args.documents, 1)][: args.documents], held_out
-    held_out = held_out[:: max(len(held_out) // args.evaluate, 1)][: args.evaluate]
+    calibration, held_out = chosen_documents(args.documents, args.evaluate)
     words = sum(len(d.split()) for d in calibration) / len(calibration)
     print(f"calibration: {len(calibration)} documents, {words:.0f} words on average; evaluation: {len(held_out)} "
           f"held-out documents{'; a second job runs beside it' if args.loaded else ''}")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from calibration_documents import documents  # noqa: E402
+from calibration_documents import chosen_documents  # noqa: E402
 
 
 def compress(model: str, rank: int, text: Path, out: Path, device: str) -> dict:
@@ -56,13 +56,12 @@ def main() -> None:
 
     import collab_convert  # noqa: F401
     from collab_convert.integration.fidelity import cosine_stats, sentence_embeddings
+    from collab_convert.devices import unavailable
     from collab_convert.io.folders import DEFAULT_MODEL, resolve_model
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        sys.exit(f"--device {args.device}: torch sees no CUDA device here")
-    calibration, held_out = documents()
-    calibration = calibration[:: max(len(calibration) // args.documents, 1)][: args.documents]
-    held_out = held_out[:: max(len(held_out) // args.evaluate, 1)][: args.evaluate]
+    if unavailable(args.device):
+        sys.exit(unavailable(args.device))
+    calibration, held_out = chosen_documents(args.documents, args.evaluate)
     source = resolve_model(args.model or DEFAULT_MODEL)
     tokenizer = AutoTokenizer.from_pretrained(source)
     with torch.inference_mode():
