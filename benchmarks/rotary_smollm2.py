@@ -60,7 +60,7 @@ def cache_bytes(model, tokenizer, text: str) -> int:
 def plain_pca(folder: Path, budget: float, out: Path) -> None:
     """The baseline: unweighted key PCA per frequency, the same width everywhere (library stages, no CLI flag)."""
     from collab_convert.architectures.source import open_model
-    from collab_convert.decompose.rotary import KeyRanks
+    from collab_convert.decompose.shared_key import KeyRanks
     from collab_convert.options import CompressOptions
     from collab_convert.io.folders import StagedOutput, copy_non_weight_files
     from collab_convert import rotary_stages

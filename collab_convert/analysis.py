@@ -153,7 +153,7 @@ def _analyze_rotary(source: SourceModel, model: str, options: AnalyzeOptions, pr
     and at candidate key budgets (--ranks: numbers per token and layer; else shares of the key cache) what
     compress would keep per layer, what it costs, and the score energy lost."""
     from .rotary_stages import allocate_ranks, calibrated_statistics, geometry_of, model_weight_statistics
-    from .decompose.rotary import fit_shared_key, key_spectrum
+    from .decompose.shared_key import fit_shared_key, key_spectrum
 
     full = max(layer.full_rank for layer in source.layers)
     for rank in options.ranks or []:
@@ -180,7 +180,7 @@ def _analyze_rotary(source: SourceModel, model: str, options: AnalyzeOptions, pr
 
 
 def _rotary_layer(source, layer, statistics, budgets, geometry_of, fit_shared_key, key_spectrum) -> LayerAnalysis:
-    from .decompose.costs import original_rotary_cost, shared_rotary_cost
+    from .decompose.costs import original_grouped_cost, shared_key_cost
     from .rotary_stages import _shape
 
     geometry = geometry_of(layer)
@@ -196,7 +196,7 @@ def _rotary_layer(source, layer, statistics, budgets, geometry_of, fit_shared_ke
     candidates = []
     for width, ranks in budgets.items():
         factors = fit_shared_key(statistics, geometry, ranks[layer.prefix])
-        cost = shared_rotary_cost(_shape(source, layer), ranks[layer.prefix].width,
+        cost = shared_key_cost(_shape(source, layer), ranks[layer.prefix].width,
                                   factors.query_core.numel(), factors.pass_core.numel(),
                                   has_bias=layer.has_query_bias).cached(layer.caches_keys).as_dict()
         candidates.append({**cost, "relative_error": round(factors.lost_energy, 6), "logit_error": None,
@@ -208,7 +208,7 @@ def _rotary_layer(source, layer, statistics, budgets, geometry_of, fit_shared_ke
         energy_ranks={"shared_key": {f"{share:.2f}": next((i + 1 for i, c in enumerate(cumulative)
                                                            if c >= share - 1e-9), len(cumulative))
                                      for share in ENERGY_SHARES}},
-        original=original_rotary_cost(_shape(source, layer), has_bias=layer.has_query_bias)
+        original=original_grouped_cost(_shape(source, layer), has_bias=layer.has_query_bias)
         .cached(layer.caches_keys).as_dict(),
         candidates=candidates, frequency_spectra=[rounded(row) for row in shares], kv_heads=layer.kv_heads,
     )

@@ -38,7 +38,7 @@ CONTENT_BIAS = "content_bias"
 COLLABORATIVE_TENSORS = (SHARED_QUERY, SHARED_KEY, MIXING, CONTENT_BIAS)
 FUSED_VALUE = "value_projection"  # what is left of a fused query/key/value projection: the values
 
-# The rotary form (Tucker: per-head queries kept, one shared rotary key; decompose/rotary.py). For module P:
+# The rotary form (Tucker: per-head queries kept, one shared rotary key; decompose/shared_key.py). For module P:
 #   P.shared_key.weight / .bias  (2W + P', D_in)  the shared key, where no key norm sits between (else:)
 #   P.key_mixing                 (2W + P', G d)    the shared key from the normalised keys (QK-norm families)
 #   P.query_core                 (N_h, 2, W)       head i's complex coefficients per shared rotary slot
@@ -125,7 +125,7 @@ class FormatConfig:
         return {"rank": rank, "num_heads": heads.num_heads, **grouped, **no_bias}
 
     @staticmethod
-    def rotary_entry(heads: HeadCounts, head_dim: int, rotary_dim: int, frequency_ranks, pass_rank: int) -> dict:
+    def shared_key_entry(heads: HeadCounts, head_dim: int, rotary_dim: int, frequency_ranks, pass_rank: int) -> dict:
         """One rotary layer's record: the cache width as `rank`, and how it splits over frequencies."""
         return {
             "form": ROTARY_FORM, "rank": 2 * sum(frequency_ranks) + pass_rank, "num_heads": heads.num_heads,

@@ -1,4 +1,4 @@
-"""The stages of compressing into the shared-key form (decompose/rotary.py): rotary decoders, and models with
+"""The stages of compressing into the shared-key form (decompose/shared_key.py): rotary decoders, and models with
 absolute or relative positions asked for it (--form shared-key; no rotated dimension, all pass-through).
 
     statistics per layer (from the weights, or from the model run on calibration text)
@@ -16,12 +16,12 @@ import torch
 
 from .architectures.layouts import AttentionLayer
 from .architectures.source import SourceModel
-from .decompose.costs import RotaryShape, original_rotary_cost, shared_rotary_cost
-from .decompose.rotary import (
+from .decompose.costs import SharedKeyShape, original_grouped_cost, shared_key_cost
+from .decompose.shared_key import (
     KeyRanks,
     KeySpectrum,
     KeyStatistics,
-    RotaryGeometry,
+    HeadGeometry,
     allocate,
     fit_shared_key,
     key_spectrum,
@@ -50,8 +50,8 @@ from .results import LayerReport, rounded
 from .stages import fit_workers, layer_labels, stream_weights
 
 
-def geometry_of(layer: AttentionLayer) -> RotaryGeometry:
-    return RotaryGeometry(layer.shape.num_heads, layer.kv_heads, layer.shape.head_dim, layer.rotary_dim)
+def geometry_of(layer: AttentionLayer) -> HeadGeometry:
+    return HeadGeometry(layer.shape.num_heads, layer.kv_heads, layer.shape.head_dim, layer.rotary_dim)
 
 
 def key_norm(source: SourceModel) -> bool:
@@ -87,17 +87,17 @@ def plan_layers(source: SourceModel, width: int) -> list[dict]:
     layers = []
     for layer in source.layers:
         shape = _shape(source, layer)
-        before = original_rotary_cost(shape, has_bias=layer.has_query_bias).parameters
+        before = original_grouped_cost(shape, has_bias=layer.has_query_bias).parameters
         # with no rotated dimension every head maps its whole query onto the shared key (pass_core: N_h x d x R)
         cores = {"complex_core": 0, "pass_core": layer.shape.num_heads * layer.shape.head_dim * width} \
             if not layer.rotary_dim else {}
-        after = shared_rotary_cost(shape, width, **cores, has_bias=layer.has_query_bias).parameters
+        after = shared_key_cost(shape, width, **cores, has_bias=layer.has_query_bias).parameters
         layers.append({"name": layer.prefix, "rank": width, "parameters_before": before, "parameters_after": after})
     return layers
 
 
-def _shape(source: SourceModel, layer: AttentionLayer) -> RotaryShape:
-    return RotaryShape(layer.shape.input_dim, layer.shape.num_heads, layer.kv_heads, layer.shape.head_dim,
+def _shape(source: SourceModel, layer: AttentionLayer) -> SharedKeyShape:
+    return SharedKeyShape(layer.shape.input_dim, layer.shape.num_heads, layer.kv_heads, layer.shape.head_dim,
                        key_norm(source))
 
 
@@ -192,19 +192,19 @@ def _normalised(tokens: torch.Tensor, scale: torch.Tensor | None, over_heads: bo
     return unit * scale.reshape(-1, tokens.shape[-1]) if over_heads else unit * scale
 
 
-ROTARY_REFINE_SAMPLES = 64  # raw sequences kept per layer for refinement (float16 queries and keys)
+SHARED_KEY_REFINE_SAMPLES = 64  # raw sequences kept per layer for refinement (float16 queries and keys)
 
 
 def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: list[str], progress: Progress,
                           scratch: Path | None = None):
     """(statistics per layer, calibrations per layer with refinement samples, what the report says). With a
     `scratch` folder the model runs a block at a time and the calibrations wait there (capture.py)."""
-    from .integration.capture import collect_rotary_statistics
+    from .integration.capture import collect_shared_key_statistics
 
     layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads), layer.causal)
               for layer in source.layers}
-    keep = min(options.refine_samples, ROTARY_REFINE_SAMPLES) if options.refine_steps else 0
-    calibrations, batches = collect_rotary_statistics(source.folder, source.family, layers, texts,
+    keep = min(options.refine_samples, SHARED_KEY_REFINE_SAMPLES) if options.refine_steps else 0
+    calibrations, batches = collect_shared_key_statistics(source.folder, source.family, layers, texts,
                                                       options.calibration_max_length, progress, keep_samples=keep,
                                                       token_budget=options.calibration_tokens, scratch=scratch,
                                                       width=source.width, device=options.device)
@@ -281,7 +281,7 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, stat
     factors = fit_shared_key(statistics, geometry_of(layer), ranks)
     refinement = None
     if calibration is not None and calibration.samples and ranks != KeyRanks.full(geometry_of(layer)):
-        from .decompose.rotary_refinement import refine_shared_key
+        from .decompose.shared_key_refinement import refine_shared_key
 
         with reused_heap():  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
             refined = refine_shared_key(calibration.samples, factors, geometry_of(layer), calibration.setting,
@@ -316,8 +316,8 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, stat
 
 def _report(source: SourceModel, layer: AttentionLayer, factors, seconds: float) -> LayerReport:
     shape = _shape(source, layer)
-    before = original_rotary_cost(shape, has_bias=layer.has_query_bias).cached(layer.caches_keys)
-    after = shared_rotary_cost(shape, factors.ranks.width, factors.query_core.numel(), factors.pass_core.numel(),
+    before = original_grouped_cost(shape, has_bias=layer.has_query_bias).cached(layer.caches_keys)
+    after = shared_key_cost(shape, factors.ranks.width, factors.query_core.numel(), factors.pass_core.numel(),
                                has_bias=layer.has_query_bias).cached(layer.caches_keys)
     losses = key_spectrum_values(factors)
     return LayerReport(
@@ -341,7 +341,7 @@ def write_rotary_config(source: SourceModel, reports: list[LayerReport], folder:
     layers = {}
     for report in reports:
         layer = by_prefix[report.name]
-        entry = FormatConfig.rotary_entry(HeadCounts(layer.shape.num_heads, layer.kv_heads), layer.shape.head_dim,
+        entry = FormatConfig.shared_key_entry(HeadCounts(layer.shape.num_heads, layer.kv_heads), layer.shape.head_dim,
                                           layer.rotary_dim, report.frequency_ranks, report.pass_rank)
         layers[report.name] = {**entry, **({"key_norm": True} if normed else {})}
     write_config(source.config, source.family.name, method, layers, folder)

@@ -16,10 +16,10 @@ from typing import Any
 
 from ..errors import UnsupportedModelError
 from ..modeling.forwards import bart_forward, gpt2_forward, gpt_bigcode_forward, mpnet_forward, opt_forward, t5_forward
-from ..modeling.rotary import bart_shared_key_forward, t5_shared_key_forward
+from ..modeling.shared_key import bart_shared_key_forward, t5_shared_key_forward
 from ..format import HeadCounts
 from .layouts import FusedProjection, Layout, SeparateProjections
-from .rotary import RotaryProjections
+from .shared_key import SharedKeyProjections
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     sites: tuple[Site, ...]
-    layout: Layout | RotaryProjections = SeparateProjections()
+    layout: Layout | SharedKeyProjections = SeparateProjections()
     # Modules that compute scores inline instead of calling the attention interface need our forward.
     forward: Callable | None = None
     # Config values the collaborative form cannot reproduce, as (key, allowed values, reason).
@@ -55,7 +55,7 @@ class Family:
     @property
     def takes_shared_key(self) -> bool:
         """Families in the shared-key (Tucker) form: per-head queries kept, one shared key, not the CP form."""
-        return isinstance(self.layout, RotaryProjections)
+        return isinstance(self.layout, SharedKeyProjections)
 
     def site_of(self, module_name: str) -> Site | None:
         for site in self.sites:
@@ -216,33 +216,33 @@ def _kv_heads(config: dict[str, Any]) -> int:
     return value
 
 
-# Rotary decoders: per-head queries kept, one shared key per frequency (decompose/rotary.py). RoPE itself,
-# masks, sliding windows and soft-capping stay the model's own (modeling/rotary.py).
+# Rotary decoders: per-head queries kept, one shared key per frequency (decompose/shared_key.py). RoPE itself,
+# masks, sliding windows and soft-capping stay the model's own (modeling/shared_key.py).
 ROTARY_FAMILIES: tuple[Family, ...] = (
     Family(
         name="llama",
         model_types=("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "gemma", "gemma2", "granite"),
         sites=_DECODER_LAYERS,
-        layout=RotaryProjections(),
+        layout=SharedKeyProjections(),
     ),
     Family(
         # The norm acts on each head's query and key before RoPE: it stays, and the normalised keys are shared.
         name="qk_norm",
         model_types=("qwen3", "qwen3_moe", "gemma3_text"),
         sites=_DECODER_LAYERS,
-        layout=RotaryProjections(query_norm="q_norm", key_norm="k_norm"),
+        layout=SharedKeyProjections(query_norm="q_norm", key_norm="k_norm"),
     ),
     Family(
         name="olmo2",
         model_types=("olmo2",),
         sites=_DECODER_LAYERS,
-        layout=RotaryProjections(query_norm="q_norm", key_norm="k_norm", norm_over_heads=True, input_norm=None),
+        layout=SharedKeyProjections(query_norm="q_norm", key_norm="k_norm", norm_over_heads=True, input_norm=None),
     ),
     Family(
         name="phi3",
         model_types=("phi3",),
         sites=_DECODER_LAYERS,
-        layout=RotaryProjections(fused="qkv_proj"),
+        layout=SharedKeyProjections(fused="qkv_proj"),
         kv_heads=_kv_heads,
     ),
     Family(
@@ -250,14 +250,14 @@ ROTARY_FAMILIES: tuple[Family, ...] = (
         name="phi",
         model_types=("phi",),
         sites=_DECODER_LAYERS,
-        layout=RotaryProjections(output="dense", query_norm="q_layernorm", key_norm="k_layernorm"),
+        layout=SharedKeyProjections(output="dense", query_norm="q_layernorm", key_norm="k_layernorm"),
     ),
     Family(
         # Partial rotary, and q/k/v interleaved head by head in one projection.
         name="gpt_neox",
         model_types=("gpt_neox",),
         sites=(Site(r"(^|\.)layers\.\d+\.attention$", causal=True),),
-        layout=RotaryProjections(fused="query_key_value", interleaved=True, output="dense"),
+        layout=SharedKeyProjections(fused="query_key_value", interleaved=True, output="dense"),
     ),
 )
 FAMILIES = FAMILIES + ROTARY_FAMILIES
@@ -265,7 +265,7 @@ FAMILIES = FAMILIES + ROTARY_FAMILIES
 SHARED_KEY = "shared-key"
 
 
-def _shared_key_form(name: str, layout: RotaryProjections, **changes) -> Family:
+def _shared_key_form(name: str, layout: SharedKeyProjections, **changes) -> Family:
     """The shared-key entry of the CP family `name`: the same model_types, sites, head counts, requirements and
     position bias, a shared-key layout, and nothing rotating."""
     family = next(f for f in FAMILIES if f.name == name)
@@ -278,23 +278,23 @@ def _shared_key_form(name: str, layout: RotaryProjections, **changes) -> Family:
 # heads. At moderate cuts of the cache it keeps more of the scores than the CP form; the CP form saves more
 # parameters. family_for picks an entry here or its CP twin by the form asked for.
 SHARED_KEY_FAMILIES: tuple[Family, ...] = (
-    _shared_key_form("gpt2", RotaryProjections(fused="c_attn", conv1d=True, output="c_proj",
+    _shared_key_form("gpt2", SharedKeyProjections(fused="c_attn", conv1d=True, output="c_proj",
                                                output_dropout="resid_dropout", dropout="attn_dropout",
                                                input_norm="ln_1")),
-    _shared_key_form("gpt_bigcode", RotaryProjections(fused="c_attn", output="c_proj", output_dropout="resid_dropout",
+    _shared_key_form("gpt_bigcode", SharedKeyProjections(fused="c_attn", output="c_proj", output_dropout="resid_dropout",
                                                       dropout="attn_dropout", input_norm="ln_1")),
     _shared_key_form(
-        "opt", RotaryProjections(output="out_proj", dropout="dropout", input_norm="self_attn_layer_norm"),
+        "opt", SharedKeyProjections(output="out_proj", dropout="dropout", input_norm="self_attn_layer_norm"),
         # A post-norm OPT (opt-350m) has no norm in front of its attention to tell the input scales
         requires=(("do_layer_norm_before", (None, True), "the shared-key form reads the scale of the norm in front "
                    "of attention, which a post-norm OPT does not have; its default (CP) form works"),),
     ),
     # Every attention module takes the form (encoder, decoder, encoder-decoder); the decoder's caches hold the
     # shared keys. BART normalises after attention, so weight-only fits take isotropic inputs.
-    _shared_key_form("bart", RotaryProjections(output="out_proj", dropout="dropout", input_norm=None),
+    _shared_key_form("bart", SharedKeyProjections(output="out_proj", dropout="dropout", input_norm=None),
                      forward=bart_shared_key_forward),
     # T5's relative position bias and unscaled scores stay as they are (calibration reads the bias).
-    _shared_key_form("t5", RotaryProjections(query="q", key="k", value="v", output="o", dropout="dropout",
+    _shared_key_form("t5", SharedKeyProjections(query="q", key="k", value="v", output="o", dropout="dropout",
                                              input_norm=None),
                      forward=t5_shared_key_forward),
 )

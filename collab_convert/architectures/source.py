@@ -13,7 +13,7 @@ from ..io.tensors import TensorReader
 from .families import Family, family_for
 from .layouts import AttentionLayer, Projections, natural_key
 from .naming import model_renamer
-from .rotary import rotary_dim_of
+from .shared_key import rotary_dim_of
 
 
 @dataclass

@@ -99,7 +99,7 @@ def break_even_length(before: QueryKeyCost, after: QueryKeyCost, shape: LayerSha
 
 
 @dataclass(frozen=True)
-class RotaryShape:
+class SharedKeyShape:
     """A rotary attention layer's query/key block: per-head queries, grouped keys (kv_heads <= num_heads)."""
 
     input_dim: int
@@ -113,7 +113,7 @@ class RotaryShape:
         return self.kv_heads * self.head_dim
 
 
-def original_rotary_cost(shape: RotaryShape, has_bias: bool = False) -> QueryKeyCost:
+def original_grouped_cost(shape: SharedKeyShape, has_bias: bool = False) -> QueryKeyCost:
     d, queries, keys = shape.input_dim, shape.num_heads * shape.head_dim, shape.key_width
     return QueryKeyCost(
         rank=None,
@@ -124,7 +124,7 @@ def original_rotary_cost(shape: RotaryShape, has_bias: bool = False) -> QueryKey
     )
 
 
-def shared_rotary_cost(shape: RotaryShape, width: int, complex_core: int | None = None, pass_core: int = 0,
+def shared_key_cost(shape: SharedKeyShape, width: int, complex_core: int | None = None, pass_core: int = 0,
                        has_bias: bool = False) -> QueryKeyCost:
     """Per-head queries kept, one shared key of `width` numbers per token, a per-head core onto it: two numbers
     per complex slot and head (`complex_core` in all; default every dimension complex, N_h x width), which cost

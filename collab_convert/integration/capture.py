@@ -377,27 +377,27 @@ def _hook(current: _CurrentBatch, *adders):
 
 
 @dataclass
-class RotaryCalibration:
+class SharedKeyCalibration:
     """One rotary layer on calibration text: its statistics, and for refinement a few raw sequences and how
     the layer turns scores into attention."""
 
-    statistics: object  # decompose.rotary.KeyStatistics, means per token
-    samples: list  # decompose.rotary_refinement.RotarySample, float16 to halve their memory
-    setting: object | None  # decompose.rotary_refinement.AttentionSetting
+    statistics: object  # decompose.shared_key.KeyStatistics, means per token
+    samples: list  # decompose.shared_key_refinement.SharedKeySample, float16 to halve their memory
+    setting: object | None  # decompose.shared_key_refinement.AttentionSetting
 
 
-class _RotaryObserver:
+class SharedKeyObserver:
     """Forward pre-hooks on rotary attention modules that compute the module's own queries, keys (and values)
     from the hidden states it receives and add them to that layer's record."""
 
     def __init__(self, family, layers: dict, keep_samples: int, current: _CurrentBatch):
         self.family, self.layers, self.keep, self.current = family, layers, keep_samples, current
-        self.found = {prefix: RotaryCalibration(None, [], None) for prefix in layers}
+        self.found = {prefix: SharedKeyCalibration(None, [], None) for prefix in layers}
         self.tokens = dict.fromkeys(layers, 0)
 
     def hook(self, prefix: str):
-        from ..decompose.rotary import statistics_of
-        from ..decompose.rotary_refinement import AttentionSetting, RotarySample
+        from ..decompose.shared_key import statistics_of
+        from ..decompose.shared_key_refinement import AttentionSetting, SharedKeySample
 
         geometry, heads, causal = self.layers[prefix]
         record, layout, current = self.found[prefix], self.family.layout, self.current
@@ -414,8 +414,8 @@ class _RotaryObserver:
                 record.statistics = more if record.statistics is None else record.statistics + more
                 self.tokens[prefix] += query.shape[0]
                 if len(record.samples) < self.keep:
-                    record.samples.append(RotarySample(*(host_copy(t, torch.float16) for t in (query, key, value))))
-            cos, sin = _rotary_tables(kwargs, hidden)
+                    record.samples.append(SharedKeySample(*(host_copy(t, torch.float16) for t in (query, key, value))))
+            cos, sin = rotary_tables(kwargs, hidden)
             if record.setting is None or record.setting.cos.shape[0] < cos.shape[1]:
                 output = layout.output_weight(module)
                 record.setting = AttentionSetting(float(module.scaling), host_copy(cos[0], torch.float32),
@@ -434,14 +434,14 @@ class _RotaryObserver:
         bias = _position_bias(module, self.family.position_bias, inspect.signature(module.forward), args, kwargs)
         return None if bias is None else host_copy(bias[0], torch.float32)
 
-    def finished(self, prefix: str) -> RotaryCalibration:
+    def finished(self, prefix: str) -> SharedKeyCalibration:
         """The layer's record, statistics as means per token in host memory; forgotten here."""
         record = self.found.pop(prefix)
         record.statistics = record.statistics.scaled(1 / self.tokens[prefix]).to(HOST)
         return record
 
 
-def _rotary_tables(kwargs: dict, hidden: torch.Tensor):
+def rotary_tables(kwargs: dict, hidden: torch.Tensor):
     """RoPE's cos/sin tables as the module receives them; empty ones (no rotated dimension) for a decoder with
     absolute positions, whose shared key is all pass-through."""
     tables = kwargs.get("position_embeddings")
@@ -451,11 +451,11 @@ def _rotary_tables(kwargs: dict, hidden: torch.Tensor):
     return empty, empty
 
 
-def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[str], max_length: int = 128,
+def collect_shared_key_statistics(folder: Path, family, layers: dict, texts: list[str], max_length: int = 128,
                               progress=None, keep_samples: int = 0, token_budget: int | None = None,
                               scratch: Path | None = None, width: int | None = None,
                               device: Device = HOST):
-    """Query energy and key second moments of every rotary layer on real text (decompose/rotary.py), as means
+    """Query energy and key second moments of every rotary layer on real text (decompose/shared_key.py), as means
     per token, and up to `keep_samples` raw sequences per layer. `layers` maps a prefix to (geometry, head
     counts, causal). The queries and keys are the module's own, after any QK-norm and before RoPE, computed from the
     hidden states it receives; RoPE tables, scale and soft-capping are read from the same call. Returns the
@@ -467,7 +467,7 @@ def collect_rotary_statistics(folder: Path, family, layers: dict, texts: list[st
     batches = token_batches(_tokenizer(folder), texts, _within_positions(folder, max_length), token_budget,
                             batch_tokens(width))
     current = _CurrentBatch()
-    observer = _RotaryObserver(family, layers, keep_samples, current)
+    observer = SharedKeyObserver(family, layers, keep_samples, current)
     plan = plan_blocks(folder, list(layers)) if scratch is not None else None
     if plan is not None:
 

@@ -125,12 +125,12 @@ def strip_prefix(name: str, prefix: str | None) -> str:
 
 def collaborate_model(model: nn.Module, family, layers: dict[str, dict], base_prefix: str | None):
     """Swap every attention module recorded in `layers` (checkpoint prefix -> its config.json record) for its
-    collaborative form: the CP form (rank, heads) or the rotary shared-key form (modeling/rotary.py).
+    collaborative form: the CP form (rank, heads) or the rotary shared-key form (modeling/shared_key.py).
 
     Checkpoint prefixes and module names may differ by the base-model prefix (a BertModel checkpoint loaded
     into BertForSequenceClassification gains "bert."), so both sides are compared without it.
     """
-    from .rotary import make_rotary
+    from .shared_key import make_shared_key
 
     register_attention_function()
     wanted = {strip_prefix(name, base_prefix): entry for name, entry in layers.items()}
@@ -140,7 +140,7 @@ def collaborate_model(model: nn.Module, family, layers: dict[str, dict], base_pr
         if entry is None or getattr(module, "is_collaborative", False):
             continue
         if entry.get("form") == ROTARY_FORM:
-            make_rotary(module, family, entry)
+            make_shared_key(module, family, entry)
         else:
             num_heads = int(entry["num_heads"])
             heads = HeadCounts(num_heads, int(entry.get("kv_heads") or num_heads))

@@ -5,10 +5,10 @@ never makes the held-out attention worse."""
 import pytest
 import torch
 
-from collab_convert.decompose.rotary import (
+from collab_convert.decompose.shared_key import (
     KeyRanks,
     KeySpectrum,
-    RotaryGeometry,
+    HeadGeometry,
     allocate,
     fit_shared_key,
     key_spectrum,
@@ -16,7 +16,7 @@ from collab_convert.decompose.rotary import (
     weight_statistics,
 )
 from collab_convert.decompose.rotary_ops import rotate_half_dims
-from collab_convert.decompose.rotary_refinement import AttentionSetting, RotarySample, refine_shared_key
+from collab_convert.decompose.shared_key_refinement import AttentionSetting, SharedKeySample, refine_shared_key
 
 
 def rope_tables(length: int, rotary_dim: int, base: float = 10000.0):
@@ -26,7 +26,7 @@ def rope_tables(length: int, rotary_dim: int, base: float = 10000.0):
     return table.cos(), table.sin()
 
 
-def random_layer(geometry: RotaryGeometry, inputs: int = 24, seed: int = 0):
+def random_layer(geometry: HeadGeometry, inputs: int = 24, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     h, kv, d = geometry.num_heads, geometry.kv_heads, geometry.head_dim
     return (torch.randn(h * d, inputs, generator=g, dtype=torch.float64),
@@ -46,9 +46,9 @@ def original_scores(x, layer, geometry, cos, sin):
 
 
 @pytest.mark.parametrize("geometry", [
-    RotaryGeometry(6, 2, 16, 16),  # grouped queries
-    RotaryGeometry(4, 1, 8, 8),  # multi-query
-    RotaryGeometry(4, 4, 16, 4),  # partial rotary: most dimensions pass through
+    HeadGeometry(6, 2, 16, 16),  # grouped queries
+    HeadGeometry(4, 1, 8, 8),  # multi-query
+    HeadGeometry(4, 4, 16, 4),  # partial rotary: most dimensions pass through
 ], ids=["grouped", "multi-query", "partial-rotary"])
 def test_full_budget_reproduces_rotary_scores_at_every_offset(geometry):
     layer = random_layer(geometry)
@@ -64,7 +64,7 @@ def test_full_budget_reproduces_rotary_scores_at_every_offset(geometry):
 
 
 def test_a_smaller_budget_loses_energy_in_order():
-    geometry = RotaryGeometry(6, 3, 16, 16)
+    geometry = HeadGeometry(6, 3, 16, 16)
     statistics = weight_statistics(*random_layer(geometry), geometry)
     losses = [fit_shared_key(statistics, geometry, KeyRanks((r,) * 8, 0)).lost_energy for r in (3, 2, 1)]
     assert losses[0] == pytest.approx(0, abs=1e-12) and 0 < losses[1] < losses[2] < 1
@@ -89,26 +89,26 @@ def test_every_layer_keeps_one_complex_dimension_however_small_the_budget():
     assert [r.frequency_ranks for r in ranks] == [(1,), (1,)]
 
 
-def calibration_samples(layer, geometry: RotaryGeometry, generator, count: int = 12, length: int = 10,
-                        scale: float = 1.0) -> list[RotarySample]:
+def calibration_samples(layer, geometry: HeadGeometry, generator, count: int = 12, length: int = 10,
+                        scale: float = 1.0) -> list[SharedKeySample]:
     """Queries and keys of `layer` on random inputs, as calibration records them."""
     samples = []
     for _ in range(count):
         x = torch.randn(length, 24, generator=generator, dtype=torch.float64) * scale
-        samples.append(RotarySample((x @ layer[0].T + layer[1]).view(length, geometry.num_heads, -1).float(),
+        samples.append(SharedKeySample((x @ layer[0].T + layer[1]).view(length, geometry.num_heads, -1).float(),
                                     (x @ layer[2].T + layer[3]).view(length, geometry.kv_heads, -1).float()))
     return samples
 
 
 def test_spectrum_losses_are_sorted_and_sum_to_the_energy():
-    geometry = RotaryGeometry(4, 2, 8, 8)
+    geometry = HeadGeometry(4, 2, 8, 8)
     found = key_spectrum(weight_statistics(*random_layer(geometry), geometry), geometry)
     assert found.frequency_losses.shape == (4, 2)
     assert (found.frequency_losses[:, :-1] >= found.frequency_losses[:, 1:]).all()
 
 
 def test_refinement_never_worsens_the_held_out_attention():
-    geometry = RotaryGeometry(4, 2, 8, 8)
+    geometry = HeadGeometry(4, 2, 8, 8)
     layer = random_layer(geometry, seed=5)
     samples = calibration_samples(layer, geometry, torch.Generator().manual_seed(7), scale=0.3)
     cos, sin = rope_tables(10, 8)
@@ -140,7 +140,7 @@ def test_query_into_the_shared_basis_before_rope_equals_after(rotary_dim, pass_r
 
 def test_with_no_rotated_dimension_the_shared_key_is_one_weighted_subspace_exact_at_full_width():
     # Absolute positions (GPT-2, OPT, BART, T5 in the shared-key form): every key dimension is pass-through.
-    geometry = RotaryGeometry(4, 4, 8, 0)
+    geometry = HeadGeometry(4, 4, 8, 0)
     layer = random_layer(geometry, seed=2)
     statistics = weight_statistics(*layer, geometry)
     spectrum = key_spectrum(statistics, geometry)
@@ -161,9 +161,9 @@ def test_with_no_rotated_dimension_the_shared_key_is_one_weighted_subspace_exact
 def test_refinement_reads_bidirectional_attention_with_a_position_bias():
     # Encoders and encoder-decoder attention see every key; T5 adds a position bias to the scores. The
     # refinement's starting KL must be the one of exactly that attention, and refining must not worsen it.
-    from collab_convert.decompose.rotary_refinement import _batch, _Problem
+    from collab_convert.decompose.shared_key_refinement import _batch, _Problem
 
-    geometry = RotaryGeometry(4, 4, 8, 0)
+    geometry = HeadGeometry(4, 4, 8, 0)
     layer = random_layer(geometry, seed=6)
     g = torch.Generator().manual_seed(8)
     samples = calibration_samples(layer, geometry, g)

@@ -116,7 +116,7 @@ def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, mon
     """The shared-key capture (queries, keys and values from each module's own inputs, RoPE tables from its call;
     none for GPT-2's absolute positions) gives the same statistics and samples when the model runs a block at a
     time."""
-    from collab_convert.integration.capture import collect_rotary_statistics
+    from collab_convert.integration.capture import collect_shared_key_statistics
     from collab_convert.rotary_stages import geometry_of
     from collab_convert.format import HeadCounts
     from fixtures.models import ROTARY_CASES, build_rotary
@@ -131,7 +131,7 @@ def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, mon
     try:
         layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads), layer.causal)
                   for layer in source.layers}
-        runs = [collect_rotary_statistics(source.folder, source.family, layers, SENTENCES[:10], max_length=40,
+        runs = [collect_shared_key_statistics(source.folder, source.family, layers, SENTENCES[:10], max_length=40,
                                           keep_samples=3, scratch=scratch)[0]
                 for scratch in (None, tmp_path / "scratch")]
     finally:

@@ -25,7 +25,7 @@ import torch
 
 
 @dataclass(frozen=True)
-class RotaryGeometry:
+class HeadGeometry:
     num_heads: int
     kv_heads: int
     head_dim: int
@@ -79,7 +79,7 @@ def complex_pairs(vectors: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     return torch.complex(vectors[..., :half].double(), vectors[..., half:rotary_dim].double())
 
 
-def statistics_of(queries: torch.Tensor, keys: torch.Tensor, geometry: RotaryGeometry) -> KeyStatistics:
+def statistics_of(queries: torch.Tensor, keys: torch.Tensor, geometry: HeadGeometry) -> KeyStatistics:
     """Sums (not means) over the tokens of one sequence: queries (n, N_h, d) and keys (n, G, d), before RoPE."""
     key_pairs = complex_pairs(keys, geometry.rotary_dim).permute(2, 1, 0)  # (F, G, n)
     query_pairs = complex_pairs(queries, geometry.rotary_dim)  # (n, N_h, F)
@@ -103,7 +103,7 @@ def projection_tokens(weight: torch.Tensor, bias: torch.Tensor | None, heads: in
 
 
 def weight_statistics(query_weight: torch.Tensor, query_bias: torch.Tensor | None, key_weight: torch.Tensor,
-                      key_bias: torch.Tensor | None, geometry: RotaryGeometry) -> KeyStatistics:
+                      key_bias: torch.Tensor | None, geometry: HeadGeometry) -> KeyStatistics:
     """Statistics from the projections alone, for unit-variance isotropic inputs."""
     return statistics_of(projection_tokens(query_weight, query_bias, geometry.num_heads, geometry.head_dim),
                          projection_tokens(key_weight, key_bias, geometry.kv_heads, geometry.head_dim), geometry)
@@ -158,7 +158,7 @@ class KeySpectrum:
     pass_losses: torch.Tensor  # (G p,)
 
 
-def key_spectrum(statistics: KeyStatistics, geometry: RotaryGeometry) -> KeySpectrum:
+def key_spectrum(statistics: KeyStatistics, geometry: HeadGeometry) -> KeySpectrum:
     losses = [frequency_subspace(statistics, j, 0).losses for j in range(geometry.frequencies)]
     losses = torch.stack(losses) if losses else torch.zeros(0, geometry.kv_heads, dtype=torch.float64)
     passes = pass_subspace(statistics, 0).losses if geometry.pass_dim else torch.zeros(0, dtype=torch.float64)
@@ -178,7 +178,7 @@ class KeyRanks:
         return 2 * sum(self.frequency_ranks) + self.pass_rank
 
     @staticmethod
-    def full(geometry: RotaryGeometry) -> "KeyRanks":
+    def full(geometry: HeadGeometry) -> "KeyRanks":
         return KeyRanks((geometry.kv_heads,) * geometry.frequencies, geometry.kv_heads * geometry.pass_dim)
 
 
@@ -216,7 +216,7 @@ def allocate(spectra: list[KeySpectrum], budget: int) -> list[KeyRanks]:
 
 
 @dataclass
-class RotaryFactors:
+class SharedKeyFactors:
     """One layer's shared rotary key, in the layout the checkpoint stores.
 
     key_mixing maps a token's key vector (all key heads, original layout, after any key norm) to the shared key
@@ -237,7 +237,7 @@ def slot_frequencies(ranks: KeyRanks) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(ranks.frequency_ranks)), counts)
 
 
-def fit_shared_key(statistics: KeyStatistics, geometry: RotaryGeometry, ranks: KeyRanks) -> RotaryFactors:
+def fit_shared_key(statistics: KeyStatistics, geometry: HeadGeometry, ranks: KeyRanks) -> SharedKeyFactors:
     g, d, half = geometry.kv_heads, geometry.head_dim, geometry.frequencies
     width = sum(ranks.frequency_ranks)
     mixing = torch.zeros(2 * width + ranks.pass_rank, g * d, dtype=torch.float64)
@@ -266,10 +266,10 @@ def fit_shared_key(statistics: KeyStatistics, geometry: RotaryGeometry, ranks: K
         mixing[2 * width:, pass_columns] = subspace.to_shared.real
         blocks = subspace.from_shared.real.reshape(g, geometry.pass_dim, ranks.pass_rank)
         pass_core = blocks[groups]
-    return RotaryFactors(mixing, core, pass_core, ranks, lost / total if total > 0 else 0.0)
+    return SharedKeyFactors(mixing, core, pass_core, ranks, lost / total if total > 0 else 0.0)
 
 
-def shared_scores(queries: torch.Tensor, keys: torch.Tensor, factors: RotaryFactors, geometry: RotaryGeometry,
+def shared_scores(queries: torch.Tensor, keys: torch.Tensor, factors: SharedKeyFactors, geometry: HeadGeometry,
                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Reference scores (N_h, n, n) of the shared form for one sequence (queries (n, N_h, d), keys (n, G, d)),
     cos/sin (n, rotary_dim) as transformers makes them; used by tests and the refinement."""

@@ -24,7 +24,7 @@ from ..decompose.costs import LayerShape
 
 
 @dataclass
-class RotaryWeights:
+class SharedKeyWeights:
     """One rotary layer's projections in nn.Linear layout (heads major), and tensors written unchanged."""
 
     query_weight: torch.Tensor  # (N_h d, D)
@@ -35,7 +35,7 @@ class RotaryWeights:
 
 
 @dataclass(frozen=True)
-class RotaryProjections:
+class SharedKeyProjections:
     query: str = "q_proj"
     key: str = "k_proj"
     value: str = "v_proj"
@@ -93,13 +93,13 @@ class RotaryProjections:
             key_input_dim=shape[1], causal=causal,
         )
 
-    def read(self, reader: TensorReader, layer: AttentionLayer) -> RotaryWeights:
+    def read(self, reader: TensorReader, layer: AttentionLayer) -> SharedKeyWeights:
         if not self.fused:
             def optional(name):
                 return finite(reader, name) if name in reader else None
 
             p = layer.prefix
-            return RotaryWeights(finite(reader, f"{p}.{self.query}.weight"), optional(f"{p}.{self.query}.bias"),
+            return SharedKeyWeights(finite(reader, f"{p}.{self.query}.weight"), optional(f"{p}.{self.query}.bias"),
                                  finite(reader, f"{p}.{self.key}.weight"), optional(f"{p}.{self.key}.bias"))
         weight = finite(reader, layer.anchor)
         weight = weight.T.contiguous() if self.conv1d else weight
@@ -110,7 +110,7 @@ class RotaryProjections:
         kept = {f"{layer.prefix}.{FUSED_QUERY}.weight": qw, f"{layer.prefix}.{FUSED_VALUE}.weight": vw}
         if bias is not None:
             kept.update({f"{layer.prefix}.{FUSED_QUERY}.bias": qb, f"{layer.prefix}.{FUSED_VALUE}.bias": vb})
-        return RotaryWeights(qw, qb, kw, kb, kept)
+        return SharedKeyWeights(qw, qb, kw, kb, kept)
 
     def _split(self, tensor: torch.Tensor, layer: AttentionLayer):
         """[q | k | v] (heads major) from a fused weight or bias, whatever its interleaving."""

@@ -15,13 +15,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..devices import HOST, Device, moved
-from .rotary import RotaryFactors, RotaryGeometry, slot_frequencies
+from .shared_key import HeadGeometry, SharedKeyFactors, slot_frequencies
 from .refinement import adam_with_held_out
 from .rotary_ops import query_in_shared_basis, rotate_half_dims, rotate_shared_key
 
 
 @dataclass
-class RotarySample:
+class SharedKeySample:
     """One calibration sequence at one layer: queries (n, N_h, d) and keys (n, G, d) after norms, before RoPE."""
 
     queries: torch.Tensor
@@ -43,8 +43,8 @@ class AttentionSetting:
 
 
 @dataclass
-class RotaryRefinement:
-    factors: RotaryFactors
+class SharedKeyRefinement:
+    factors: SharedKeyFactors
     kl_before: float  # mean attention KL on the held-out sequences, whatever the objective
     kl_after: float
     steps: int
@@ -53,7 +53,7 @@ class RotaryRefinement:
     loss_after: float = 0.0
 
 
-def _batch(samples: list[RotarySample], rows: int | None, generator, device=HOST) -> tuple:
+def _batch(samples: list[SharedKeySample], rows: int | None, generator, device=HOST) -> tuple:
     """Padded (B, rows, H, d) queries at sampled rows, (B, m, G, d) keys and values, row positions, valid masks:
     gathered in host memory, where the samples wait, and moved to `device` together."""
     length = max(s.keys.shape[0] for s in samples)
@@ -83,7 +83,7 @@ class _Problem:
     With values and the output projection, the loss is the error of the layer's attention output (through the
     output projection, so heads count as much as they reach the residual stream); else the attention KL."""
 
-    def __init__(self, batch, geometry: RotaryGeometry, setting: AttentionSetting, slots: torch.Tensor):
+    def __init__(self, batch, geometry: HeadGeometry, setting: AttentionSetting, slots: torch.Tensor):
         queries, keys, values, positions, row_valid, key_valid = batch
         self.geometry, self.setting, self.slots = geometry, setting, slots
         group_of_head = geometry.group_of_head.to(keys.device)
@@ -145,10 +145,10 @@ class _Problem:
         return error[self.rows].sum(), self.output_energy
 
 
-def refine_shared_key(samples: list[RotarySample], factors: RotaryFactors, geometry: RotaryGeometry,
+def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors, geometry: HeadGeometry,
                       setting: AttentionSetting, steps: int = 200, learning_rate: float = 6e-2,
                       batch_sequences: int = 8, query_rows: int = 32, seed: int = 0,
-                      device: Device = HOST) -> RotaryRefinement:
+                      device: Device = HOST) -> SharedKeyRefinement:
     """Adam on the mean attention KL(original || shared) per head and query (see the module docstring). The steps
     run on `device`; the samples wait in host memory, and the result comes back there."""
     slots = slot_frequencies(factors.ranks).to(device)
@@ -188,4 +188,4 @@ def refine_shared_key(samples: list[RotarySample], factors: RotaryFactors, geome
     refined = replace(factors, key_mixing=best[0].to(HOST, dtype), query_core=best[1].to(HOST, dtype),
                       pass_core=best[2].to(HOST, dtype))
     objective = "attention output" if checks[0].values is not None else "attention KL"
-    return RotaryRefinement(refined, kl_before, kl_after, taken, objective, initial, best_loss)
+    return SharedKeyRefinement(refined, kl_before, kl_after, taken, objective, initial, best_loss)

@@ -1,4 +1,4 @@
-"""Rotary attention modules with one shared rotary key (the Tucker form; decompose/rotary.py has the math).
+"""Rotary attention modules with one shared rotary key (the Tucker form; decompose/shared_key.py has the math).
 
 Each head keeps its query projection (and QK-norm); one shared key of 2W + P numbers per token replaces the
 key heads; head i reads it through its core. The module gets a forward of our own, one for every rotary
@@ -28,7 +28,7 @@ from .attention import is_tracing
 from .forwards import encoder_decoder_keys, given_cache, past_seen_tokens, self_attention_cache, t5_position_bias
 
 
-class RotarySharedKeyMixin:
+class SharedKeyMixin:
     is_collaborative = True
 
     def slot_frequencies(self, device: torch.device) -> torch.Tensor:
@@ -55,13 +55,13 @@ class RotarySharedKeyMixin:
     def _query_basis_matrix(self) -> torch.Tensor:
         pass_core = getattr(self, "pass_core", None)
         if pass_core is None:
-            pass_core = self.query_core.new_zeros(self.rotary_heads.num_heads, 0, 0)
+            pass_core = self.query_core.new_zeros(self.shared_key_heads.num_heads, 0, 0)
         return query_basis_matrix(self.query_core, pass_core, self.slot_frequencies(self.query_core.device),
                                   self.rotary_dim, self.rotary_dim + pass_core.shape[1])
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
         cache = self_attention_cache(kwargs.pop("cache", None), kwargs, "past_key_values", "layer_past")
-        layout, heads = self.rotary_layout, self.rotary_heads
+        layout, heads = self.shared_key_layout, self.shared_key_heads
         batch, length = hidden_states.shape[:2]
         query = layout.queries(self, hidden_states, heads.num_heads).transpose(1, 2)  # (b, N_h, n, d)
         value = layout.values(self, hidden_states, heads.kv_heads).transpose(1, 2)  # (b, G, n, d)
@@ -83,12 +83,12 @@ class RotarySharedKeyMixin:
 def _shared_query(module, hidden_states: torch.Tensor) -> torch.Tensor:
     """Each head's query (b, N_h, n, K) in the shared basis (no rotation: the encoder-decoder families have
     absolute or relative positions)."""
-    query = module.rotary_layout.queries(module, hidden_states, module.rotary_heads.num_heads).transpose(1, 2)
+    query = module.shared_key_layout.queries(module, hidden_states, module.shared_key_heads.num_heads).transpose(1, 2)
     return torch.matmul(query, module.query_basis())
 
 
 def _shared_keys_and_values(module):
-    layout, kv_heads = module.rotary_layout, module.rotary_heads.kv_heads
+    layout, kv_heads = module.shared_key_layout, module.shared_key_heads.kv_heads
 
     def keys_and_values(states: torch.Tensor):
         return (layout.shared_key(module, states, kv_heads).unsqueeze(1),
@@ -106,8 +106,8 @@ def bart_shared_key_forward(self, hidden_states, key_value_states=None, cache=No
     key, value = encoder_decoder_keys(self, hidden_states, key_value_states, cache, _shared_keys_and_values(self),
                                       kwargs)
     output, weights = shared_key_attention(self, query, key, value, attention_mask,
-                                           self.rotary_layout.dropout_probability(self))
-    return self.rotary_layout.output_projection(self, output.reshape(batch, length, -1).contiguous()), weights
+                                           self.shared_key_layout.dropout_probability(self))
+    return self.shared_key_layout.output_projection(self, output.reshape(batch, length, -1).contiguous()), weights
 
 
 def t5_shared_key_forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, cache=None,
@@ -121,9 +121,9 @@ def t5_shared_key_forward(self, hidden_states, mask=None, key_value_states=None,
     key, value = encoder_decoder_keys(self, hidden_states, key_value_states, cache, _shared_keys_and_values(self),
                                       kwargs)
     position_bias = t5_position_bias(self, position_bias, length, key.shape[-2], seen, query)
-    output, weights = shared_key_attention(self, query, key, value, mask, self.rotary_layout.dropout_probability(self),
+    output, weights = shared_key_attention(self, query, key, value, mask, self.shared_key_layout.dropout_probability(self),
                                            position_bias=position_bias)
-    output = self.rotary_layout.output_projection(self, output.reshape(batch, length, -1).contiguous())
+    output = self.shared_key_layout.output_projection(self, output.reshape(batch, length, -1).contiguous())
     return output, position_bias, weights
 
 
@@ -173,18 +173,18 @@ def shared_key_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
 _CLASS_CACHE: dict[tuple[type, str], type] = {}
 
 
-def _rotary_class(original: type, family) -> type:
+def _shared_key_class(original: type, family) -> type:
     cache_key = (original, family.name)
     if cache_key not in _CLASS_CACHE:
         _CLASS_CACHE[cache_key] = type(
-            f"SharedKey{original.__name__}", (RotarySharedKeyMixin, original),
-            {"rotary_layout": family.layout, "collaborative_origin": original, "__module__": __name__,
+            f"SharedKey{original.__name__}", (SharedKeyMixin, original),
+            {"shared_key_layout": family.layout, "collaborative_origin": original, "__module__": __name__,
              **({"forward": family.forward} if family.forward else {})},  # encoder-decoder families: their own
         )
     return _CLASS_CACHE[cache_key]
 
 
-def make_rotary(module: nn.Module, family, entry: dict) -> nn.Module:
+def make_shared_key(module: nn.Module, family, entry: dict) -> nn.Module:
     """Turn one rotary attention module into its shared-key form, in place, from its config.json record."""
     heads = HeadCounts(int(entry["num_heads"]), int(entry["kv_heads"]))
     head_dim, rotary_dim = int(entry["head_dim"]), int(entry["rotary_dim"])
@@ -197,8 +197,8 @@ def make_rotary(module: nn.Module, family, entry: dict) -> nn.Module:
     module.query_core = nn.Parameter(torch.zeros(heads.num_heads, 2, slots, **factory))
     if head_dim > rotary_dim:
         module.pass_core = nn.Parameter(torch.zeros(heads.num_heads, head_dim - rotary_dim, pass_rank, **factory))
-    module.rotary_heads, module.rotary_dim, module.frequency_ranks = heads, rotary_dim, frequency_ranks
+    module.shared_key_heads, module.rotary_dim, module.frequency_ranks = heads, rotary_dim, frequency_ranks
     module._slot_frequencies = {}
     module._is_hf_initialized = True
-    module.__class__ = _rotary_class(type(module), family)
+    module.__class__ = _shared_key_class(type(module), family)
     return module
