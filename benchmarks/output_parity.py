@@ -10,8 +10,9 @@ QK-norm, Phi-3's fused projection), weight-only and calibrated; and `analyze` of
 Tiny checkpoints are built from configs (fixtures/), with a WordPiece tokenizer so calibration can run.
 
 Compared, file by file: weights (safetensors) and plots byte for byte; config.json byte for byte, then as
-JSON; report.json as JSON without seconds; report.md and the card without their time line. Every difference is
-printed, so an intended change (a renamed field) can be told from an unintended one.
+JSON; report.json as JSON without seconds, output folder and idle cores; report.md and the card without their
+time line. Every difference is printed, so an intended change (a renamed field) can be told from an unintended
+one.
 """
 
 from __future__ import annotations
@@ -96,9 +97,13 @@ def run(version: Path, case_file: Path, out: Path) -> None:
                    cwd=tempfile.gettempdir())
 
 
+# what differs between any two runs: time, where the output went, and how many cores were idle when it started
+UNCOMPARED = ("seconds", "stage_seconds", "output", "threads")
+
+
 def without_seconds(value):
     if isinstance(value, dict):
-        return {k: without_seconds(v) for k, v in value.items() if k not in ("seconds", "stage_seconds")}
+        return {k: without_seconds(v) for k, v in value.items() if k not in UNCOMPARED}
     if isinstance(value, list):
         return [without_seconds(v) for v in value]
     return value

@@ -63,7 +63,9 @@ def synthesise(folder: Path, shape: dict) -> int:
     import torch
     from transformers import LlamaConfig
 
-    from collab_convert.io.tensors import ShardWriter, TensorSpec
+    from collab_convert.io.headers import TensorSpec
+
+    from collab_convert.io.writer import ShardWriter
 
     config = LlamaConfig(**shape, max_position_embeddings=2048, torch_dtype="bfloat16")
     folder.mkdir(parents=True)

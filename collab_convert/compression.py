@@ -4,7 +4,7 @@ This module only sequences the stages (stages.py); each stage's knowledge lives 
 
     open the source (architectures/)  ->  check the plan  ->  calibrate (integration/capture.py)
     ->  choose ranks (fixed, energy, or a fidelity target: predict.py)  ->  fit each layer (decompose/methods.py)
-    ->  stream tensors out (io/tensors.py)  ->  config (format.py), reports and card (report/)
+    ->  stream tensors out (io/writer.py)  ->  config (format.py), reports and card (report/)
     ->  swap the staged output into place (io/folders.py)
 """
 

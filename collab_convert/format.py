@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .io.tensors import TensorSpec
+from .io.headers import TensorSpec
 from .version import __version__
 
 QUANT_METHOD = "collaborative"

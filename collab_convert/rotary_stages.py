@@ -43,7 +43,7 @@ from .format import (
     write_config,
 )
 from .io.spill import SpillFolder
-from .io.tensors import parse_size
+from .io.writer import parse_size
 from .options import CompressOptions
 from .progress import DETAIL, Progress
 from .results import LayerReport, rounded

@@ -23,7 +23,8 @@ from .errors import BadInputError
 from .format import CONTENT_BIAS, FormatConfig, HeadCounts, collaborative_tensors, write_config
 from .io.folders import check_output
 from .io.spill import SpillFolder
-from .io.tensors import ShardWriter, TensorSpec, parse_size
+from .io.headers import TensorSpec
+from .io.writer import ShardWriter, parse_size
 from .options import CompressOptions
 from .progress import DETAIL, Progress, no_progress
 from .results import CompressPlan, LayerReport, rounded
@@ -522,7 +523,8 @@ def distill_checkpoint(source: SourceModel, folder: Path, texts: list[str], opti
     """--distill-steps: tune the written checkpoint's collaborative tensors together against the original
     (integration/distillation.py) and write the best state over them in place; what happened, for the report."""
     from .integration.distillation import distill
-    from .io.tensors import TensorReader, overwrite_tensors
+    from .io.reader import TensorReader
+    from .io.writer import overwrite_tensors
 
     progress("distilling", 0, options.distill_steps)
     with reused_heap():  # every step allocates the same activations afresh (cpu.reused_heap)

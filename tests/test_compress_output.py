@@ -6,7 +6,7 @@ import pytest
 from safetensors import safe_open
 
 from collab_convert import CompressOptions, compress
-from collab_convert.io.tensors import TensorReader
+from collab_convert.io.reader import TensorReader
 from collab_convert.errors import BadInputError, OutputExistsError
 from fixtures.models import folder_digest
 

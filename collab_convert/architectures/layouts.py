@@ -22,7 +22,8 @@ from ..decompose.costs import LayerShape
 from ..decompose.products import HeadProducts
 from ..errors import BadInputError
 from ..format import FUSED_VALUE, HeadCounts, LayerFormat
-from ..io.tensors import TensorReader, TensorSpec
+from ..io.headers import TensorSpec
+from ..io.reader import TensorReader
 
 
 @dataclass

@@ -18,7 +18,8 @@ from torch import nn
 from ..errors import BadInputError
 from ..format import FUSED_QUERY, FUSED_VALUE, KEY_MIXING, PASS_CORE, QUERY_CORE, SHARED_KEY, SHARED_KEY_BIAS
 from ..format import HeadCounts
-from ..io.tensors import TensorReader, TensorSpec
+from ..io.headers import TensorSpec
+from ..io.reader import TensorReader
 from .layouts import AttentionLayer, SeparateProjections, _split_error, finite
 from ..decompose.costs import LayerShape
 

@@ -9,7 +9,7 @@ from typing import Any
 from ..errors import BadInputError
 from ..format import is_collaborative
 from ..io.folders import read_config, resolve_model
-from ..io.tensors import TensorReader
+from ..io.reader import TensorReader
 from .families import Family, family_for
 from .layouts import AttentionLayer, Projections, natural_key
 from .naming import model_renamer

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collab_convert.errors import BadInputError
-from collab_convert.io.tensors import TensorReader
+from collab_convert.io.reader import TensorReader
 
 
 def write(folder, header: dict | bytes, data: bytes = b"", claimed: int | None = None):

@@ -5,7 +5,9 @@ import torch
 
 from collab_convert.errors import BadInputError, OutputExistsError
 from collab_convert.io.folders import StagedOutput, check_output
-from collab_convert.io.tensors import ShardWriter, TensorReader, TensorSpec, parse_size
+from collab_convert.io.headers import TensorSpec
+from collab_convert.io.reader import TensorReader
+from collab_convert.io.writer import ShardWriter, parse_size
 
 
 def test_sizes_parse_like_humans_write_them():
@@ -131,7 +133,7 @@ def test_copied_tensors_are_byte_identical_however_the_kernel_copies(tmp_path, m
 
 
 def test_tensors_are_overwritten_in_place_and_nothing_else_moves(tmp_path):
-    from collab_convert.io.tensors import overwrite_tensors
+    from collab_convert.io.writer import overwrite_tensors
 
     first = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     second = torch.ones(5, dtype=torch.bfloat16)
