@@ -47,7 +47,7 @@ class FidelityEstimator:
     does not hold it, or two of it, in memory."""
 
     def __init__(self, source: SourceModel, options: CompressOptions, probe: ProbeTexts, metrics=None):
-        from .integration.capture import batch_tokens
+        from .integration.batches import batch_tokens
         from .integration.fidelity import sentence_embeddings
         from .integration.layerwise import load_offloaded
         from .integration.loading import load_tokenizer

@@ -199,12 +199,12 @@ def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: 
                           scratch: Path | None = None):
     """(statistics per layer, calibrations per layer with refinement samples, what the report says). With a
     `scratch` folder the model runs a block at a time and the calibrations wait there (capture.py)."""
-    from .integration.capture import collect_shared_key_statistics
+    from .integration.shared_key_capture import collect_shared_key_statistics
 
     layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads), layer.causal)
               for layer in source.layers}
     keep = min(options.refine_samples, SHARED_KEY_REFINE_SAMPLES) if options.refine_steps else 0
-    calibrations, batches = collect_shared_key_statistics(source.folder, source.family, layers, texts,
+    calibrations, batches = collect_shared_key_statistics(source.folder, source.family.layout, source.family.position_bias, layers, texts,
                                                       options.calibration_max_length, progress, keep_samples=keep,
                                                       token_budget=options.calibration_tokens, scratch=scratch,
                                                       width=source.width, device=options.device)

@@ -136,7 +136,7 @@ def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], p
 
     refines = refine and bool(options.refine_steps)
     metrics, batches = collect_statistics(
-        source.folder, source.family, [layer.prefix for layer in source.layers], texts,
+        source.folder, source.family.layout, source.family.position_bias, [layer.prefix for layer in source.layers], texts,
         options.calibration_max_length, progress, keep_samples=options.refine_samples if refines else 0,
         token_budget=options.calibration_tokens, scratch=scratch,
         width=source.width, device=options.device,

@@ -62,7 +62,7 @@ def distill(original: Path, result: Path, texts: list[str], max_length: int, ste
     """
     from transformers import AutoModelForCausalLM
 
-    from .capture import right_padded
+    from .batches import right_padded
     from .loading import for_measuring, load_model, load_tokenizer
 
     started = time.perf_counter()

@@ -73,7 +73,7 @@ def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: i
     """Top-1 agreement and mean KL(base || model) of next-token distributions over every real token of `texts`.
     Texts run in right-padded batches (a causal model's real positions never see the padding after them), as
     many as keep one batch's logits within LOGIT_BYTES. Both models run on `device`."""
-    from .capture import right_padded
+    from .batches import right_padded
 
     encoded = [ids for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"] if len(ids) >= 2]
     longest = max((len(ids) for ids in encoded), default=1)

@@ -111,11 +111,11 @@ def test_a_layer_without_query_bias_stores_no_content_bias_unless_calibrated(tmp
 
     from safetensors import safe_open
 
-    from collab_convert.integration import capture
+    from collab_convert.integration import model_runs
     from fixtures import SENTENCES
     from fixtures.models import CharacterTokenizer
 
-    monkeypatch.setattr(capture, "_tokenizer", lambda folder: CharacterTokenizer())
+    monkeypatch.setattr(model_runs, "calibration_tokenizer", lambda folder: CharacterTokenizer())
     monkeypatch.setattr("collab_convert.predict.can_measure", lambda source: False)  # no real tokenizer here
     case = next(c for c in CASES if c.name == "t5")
     build_family(case, tmp_path / "model")

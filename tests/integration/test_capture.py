@@ -3,8 +3,9 @@
 import torch
 
 from collab_convert.architectures.source import open_model
-from collab_convert.integration import capture
-from collab_convert.integration.capture import collect_statistics, token_batches
+from collab_convert.integration import batches as batching
+from collab_convert.integration.batches import token_batches
+from collab_convert.integration.capture import collect_statistics
 from transformers import AutoTokenizer
 
 from fixtures import SENTENCES
@@ -14,7 +15,7 @@ def _statistics(folder, texts, **kwargs):
     source = open_model(str(folder))
     try:
         prefixes = [layer.prefix for layer in source.layers]
-        return collect_statistics(source.folder, source.family, prefixes, texts, keep_samples=4, **kwargs)
+        return collect_statistics(source.folder, source.family.layout, source.family.position_bias, prefixes, texts, keep_samples=4, **kwargs)
     finally:
         source.close()
 
@@ -24,7 +25,7 @@ def test_batched_statistics_equal_one_text_at_a_time(tiny_bert, monkeypatch):
     batched, batches = _statistics(tiny_bert, texts)
     assert len(batches.batches) < len(texts)  # several texts per forward pass, padded
     assert any(min(lengths) < max(lengths) for _, _, lengths in batches.batches)
-    monkeypatch.setattr(capture, "BATCH_SEQUENCES", 1)
+    monkeypatch.setattr(batching, "BATCH_SEQUENCES", 1)
     single, _ = _statistics(tiny_bert, texts)
     for prefix, layer in batched.items():
         for side in ("query", "key"):
@@ -44,7 +45,7 @@ def test_token_budget_caps_the_tokens_that_run(tiny_bert):
     assert capped.tokens == 100 < everything.tokens
     real = sum(int(mask.sum()) for _, mask, _ in capped.batches)
     assert real == 100
-    assert all(ids.shape[0] * ids.shape[1] <= capture.BATCH_TOKENS for ids, _, _ in everything.batches)
+    assert all(ids.shape[0] * ids.shape[1] <= batching.BATCH_TOKENS for ids, _, _ in everything.batches)
 
 
 def test_the_report_records_the_tokens(tiny_bert, calibration_file, tmp_path):

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from collab_convert.architectures.source import open_model
-from collab_convert.integration import capture
+from collab_convert.integration import batches as batching
+from collab_convert.integration import model_runs
 from collab_convert.integration.capture import collect_statistics
 from collab_convert.integration.layerwise import plan_blocks
 from collab_convert.io.spill import SpillFolder
@@ -17,7 +18,7 @@ def _statistics(folder, scratch=None):
     source = open_model(str(folder))
     try:
         prefixes = [layer.prefix for layer in source.layers]
-        return collect_statistics(source.folder, source.family, prefixes, SENTENCES[:12], max_length=24,
+        return collect_statistics(source.folder, source.family.layout, source.family.position_bias, prefixes, SENTENCES[:12], max_length=24,
                                   keep_samples=3, scratch=scratch)[0]
     finally:
         source.close()
@@ -25,9 +26,9 @@ def _statistics(folder, scratch=None):
 
 @pytest.mark.parametrize("family", ["bert", "roberta", "distilbert", "electra", "mpnet", "gpt2", "gpt_bigcode", "opt"])
 def test_block_at_a_time_statistics_equal_whole_passes(family, tmp_path, monkeypatch):
-    monkeypatch.setattr(capture, "_tokenizer", lambda folder: CharacterTokenizer())
+    monkeypatch.setattr(model_runs, "calibration_tokenizer", lambda folder: CharacterTokenizer())
     # several batches: after the first, the last block's runs stop at its last observation
-    monkeypatch.setattr(capture, "BATCH_SEQUENCES", 5)
+    monkeypatch.setattr(batching, "BATCH_SEQUENCES", 5)
     folder = tmp_path / family
     build_family(family_case(family), folder)
     whole = _statistics(folder)
@@ -116,13 +117,13 @@ def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, mon
     """The shared-key capture (queries, keys and values from each module's own inputs, RoPE tables from its call;
     none for GPT-2's absolute positions) gives the same statistics and samples when the model runs a block at a
     time."""
-    from collab_convert.integration.capture import collect_shared_key_statistics
+    from collab_convert.integration.shared_key_capture import collect_shared_key_statistics
     from collab_convert.rotary_stages import geometry_of
     from collab_convert.format import HeadCounts
     from fixtures.models import ROTARY_CASES, build_rotary
 
-    monkeypatch.setattr(capture, "_tokenizer", lambda folder: CharacterTokenizer())
-    monkeypatch.setattr(capture, "BATCH_SEQUENCES", 5)  # several batches, as above
+    monkeypatch.setattr(model_runs, "calibration_tokenizer", lambda folder: CharacterTokenizer())
+    monkeypatch.setattr(batching, "BATCH_SEQUENCES", 5)  # several batches, as above
     if name.endswith("-shared-key"):
         build_family(family_case(name.removesuffix("-shared-key")), tmp_path / name)
     else:
@@ -131,7 +132,7 @@ def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, mon
     try:
         layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads), layer.causal)
                   for layer in source.layers}
-        runs = [collect_shared_key_statistics(source.folder, source.family, layers, SENTENCES[:10], max_length=40,
+        runs = [collect_shared_key_statistics(source.folder, source.family.layout, source.family.position_bias, layers, SENTENCES[:10], max_length=40,
                                           keep_samples=3, scratch=scratch)[0]
                 for scratch in (None, tmp_path / "scratch")]
     finally:

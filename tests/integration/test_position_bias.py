@@ -6,7 +6,7 @@ import torch
 
 from collab_convert.architectures.source import open_model
 from collab_convert.decompose.refinement import _original_attention
-from collab_convert.integration import capture
+from collab_convert.integration import model_runs
 from collab_convert.integration.capture import collect_statistics
 from collab_convert.stages import score_scale
 
@@ -37,12 +37,12 @@ def _models_own_attention(model, family: str, where: tuple[str, int]) -> torch.T
 
 @pytest.mark.parametrize("family, module, where", CASES, ids=[case[1] for case in CASES])
 def test_refinement_target_is_the_models_own_attention(tmp_path, monkeypatch, family, module, where):
-    monkeypatch.setattr(capture, "_tokenizer", lambda folder: CharacterTokenizer())
+    monkeypatch.setattr(model_runs, "calibration_tokenizer", lambda folder: CharacterTokenizer())
     model = build_family(family_case(family), tmp_path / family)
     source = open_model(str(tmp_path / family))
     try:
         layer = next(layer for layer in source.layers if layer.prefix.endswith(module))
-        statistics, _ = collect_statistics(source.folder, source.family, [layer.prefix for layer in source.layers],
+        statistics, _ = collect_statistics(source.folder, source.family.layout, source.family.position_bias, [layer.prefix for layer in source.layers],
                                            [TEXT], max_length=64, keep_samples=1, scratch=tmp_path / "scratch")
         projections = source.read_projections(layer)
     finally:
@@ -66,7 +66,7 @@ def test_refinement_target_is_the_models_own_attention(tmp_path, monkeypatch, fa
 def test_relative_bias_families_are_refined_never_worse_on_held_out_sequences(tmp_path, monkeypatch, family):
     from collab_convert import CompressOptions, compress
 
-    monkeypatch.setattr(capture, "_tokenizer", lambda folder: CharacterTokenizer())
+    monkeypatch.setattr(model_runs, "calibration_tokenizer", lambda folder: CharacterTokenizer())
     build_family(family_case(family), tmp_path / family)
     texts = tmp_path / "texts.txt"
     texts.write_text("\n".join(SENTENCES[:24]) + "\n")

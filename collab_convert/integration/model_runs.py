@@ -1,0 +1,165 @@
+"""The original model run on calibration text with observers on its attention modules: the one driver that every
+form's statistics go through (capture.py for the CP form, shared_key_capture.py for the shared-key form).
+
+With a scratch folder, a model that is one stack of blocks runs a block at a time (layerwise.py) and each
+layer's record waits in the scratch folder until asked for: memory holds one block and one layer's record.
+Otherwise the whole model runs, with every layer's record in memory. The model runs on `device`; the records
+come back in host memory.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ..devices import HOST, Device, moved
+from ..errors import BadInputError
+from ..io.spill import SpillFolder
+from ..modeling.collaborative import strip_prefix
+from ..progress import DETAIL
+from .batches import CalibrationBatches, CurrentBatch, SeenEverything, batch_tokens, token_batches
+
+
+class Observer(Protocol):
+    """What an observer of attention modules gives the driver: hooks on the modules of some layers, and each
+    layer's record once every batch has run through it."""
+
+    def attach(self, model, prefixes: list[str]) -> list:
+        """Hook handles on the modules of `prefixes` (checkpoint prefixes)."""
+
+    def finished(self, prefix: str):
+        """The layer's record, forgotten by the observer; BadInputError if no batch ever reached the layer."""
+
+
+@dataclass(frozen=True)
+class CalibrationRun:
+    """How the calibration texts are run: tokens per text and in all, the hidden size batches are sized by, the
+    folder records wait in (None: in memory), where the model runs."""
+
+    max_length: int = 128
+    token_budget: int | None = None
+    width: int | None = None
+    scratch: Path | None = None
+    device: Device = HOST
+
+
+def calibration_tokenizer(folder: Path):
+    from .loading import load_tokenizer
+
+    return load_tokenizer(folder, "calibration")
+
+
+def calibration_batches(folder: Path, texts: list[str], run: CalibrationRun) -> CalibrationBatches:
+    """The texts as token batches, each cut where the model's position embeddings end."""
+    from ..architectures.families import within_positions
+    from ..io.folders import read_config
+
+    length = within_positions(read_config(folder), run.max_length)
+    return token_batches(calibration_tokenizer(folder), texts, length, run.token_budget, batch_tokens(run.width))
+
+
+def observe_calibration(folder: Path, prefixes: list[str], texts: list[str], observer: Observer,
+                        current: CurrentBatch, run: CalibrationRun,
+                        progress=None) -> tuple[Mapping, CalibrationBatches]:
+    """Run the original model on `texts` with `observer` on the attention modules of `prefixes`; return each
+    prefix's record and the batches that ran. `current` is the batch the observer's hooks cut sequences by."""
+    from .layerwise import plan_blocks
+
+    batches = calibration_batches(folder, texts, run)
+    plan = plan_blocks(folder, prefixes) if run.scratch is not None else None
+    if plan is not None:
+        return _by_block(folder, plan, batches, current, observer, progress, run), batches
+    model = whole_model(folder, run.device)
+    handles = observer.attach(model, prefixes)
+    try:
+        run_whole(model, batches, current, progress, run.device)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {prefix: observer.finished(prefix) for prefix in prefixes}, batches
+
+
+def whole_model(folder: Path, device):
+    """The model in `folder`, loaded whole for measuring, on `device`."""
+    from transformers import AutoModel
+
+    from .loading import for_measuring
+
+    return for_measuring(AutoModel.from_pretrained(folder)).to(device)
+
+
+def _by_block(folder: Path, plan, batches: CalibrationBatches, current: CurrentBatch, observer: Observer, progress,
+              run: CalibrationRun) -> SpillFolder:
+    """Each layer's record from a block-at-a-time run (layerwise.BlockRunner), kept in the scratch folder."""
+    from .layerwise import BlockRunner
+
+    blocks, device_map = plan
+    runner = BlockRunner(folder, blocks, device_map, run.scratch / "activations", run.device)
+    found = SpillFolder(run.scratch / "statistics")
+    for input_ids, attention_mask, _ in batches.batches:
+        runner.start({"input_ids": input_ids, "attention_mask": attention_mask})
+    label, steps = f"calibrating{DETAIL}{batches.tokens} tokens", len(blocks) * len(batches.batches)
+    for index, (_, prefix) in enumerate(blocks):
+        handles = observer.attach(runner.model, [prefix])
+        last = index + 1 == len(blocks)
+        current.observations = None
+        try:
+            for batch, (_, _, lengths) in enumerate(batches.batches):
+                if progress:
+                    progress(f"{label}, layer {index + 1}/{len(blocks)}", index * len(batches.batches) + batch, steps)
+                current.lengths, current.observed = lengths, 0
+                try:
+                    runner.run_block(index, batch, keep_output=not last)
+                except SeenEverything:
+                    continue
+                if last:
+                    # the last block's output feeds nothing: once a whole run has counted its observations,
+                    # the other batches stop at the last one (its feed-forward and output never run)
+                    current.observations = current.observed
+        finally:
+            current.observations = None
+            for handle in handles:
+                handle.remove()
+        found[prefix] = observer.finished(prefix)
+    if progress:
+        progress(f"{label}, layer {len(blocks)}/{len(blocks)}", steps, steps)
+    return found
+
+
+@torch.no_grad()
+def run_whole(model, batches: CalibrationBatches, current: CurrentBatch, progress, device) -> None:
+    """Every batch through the whole model (an encoder-decoder's decoder reads the same tokens)."""
+    encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
+    done = 0
+    for input_ids, attention_mask, lengths in batches.batches:
+        if progress:
+            progress(f"calibrating{DETAIL}{batches.tokens} tokens", done, batches.texts)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if encoder_decoder:
+            inputs.update(decoder_input_ids=input_ids, decoder_attention_mask=attention_mask)
+        current.forward(model, moved(inputs, device), lengths)
+        done += len(lengths)
+    if progress:
+        progress(f"calibrating{DETAIL}{batches.tokens} tokens", done, batches.texts)
+
+
+def modules_of(model, prefixes) -> dict:
+    """The model's module for each attention prefix (names compared without the base-model prefix)."""
+    base = getattr(model, "base_model_prefix", None)
+    wanted = {strip_prefix(p, base): p for p in prefixes}
+    modules = {wanted[strip_prefix(name, base)]: module for name, module in model.named_modules()
+               if strip_prefix(name, base) in wanted}
+    if len(modules) != len(wanted):
+        raise BadInputError("not every attention module of the model could be observed for calibration")
+    return modules
+
+
+def position_bias_of(module, read_bias, signature: inspect.Signature, args, kwargs) -> torch.Tensor | None:
+    """The bias `read_bias` (a family's position_bias) finds in one call's arguments: (1 or b, N_h, n, m), or None."""
+    bias = read_bias(module, signature.bind_partial(*args, **kwargs).arguments)
+    return bias if isinstance(bias, torch.Tensor) else None

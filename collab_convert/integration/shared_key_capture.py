@@ -1,0 +1,120 @@
+"""Statistics of real attention for the shared-key form: the original model run on calibration text.
+
+Forward pre-hooks on the attention modules compute the module's own queries and keys (after any QK-norm, before
+RoPE) from the hidden states it receives, and add their energies and second moments to the layer's record
+(decompose/shared_key.py), with a few raw sequences (queries, keys, values) and how the layer turns scores into
+attention (scale, RoPE tables, soft-capping, output projection), for refinement. The run itself is
+model_runs.py's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..devices import HOST, Device, host_copy
+from ..errors import BadInputError
+from .batches import CurrentBatch
+from .model_runs import CalibrationRun, modules_of, observe_calibration, position_bias_of
+
+
+@dataclass
+class SharedKeyCalibration:
+    """One shared-key layer on calibration text: its statistics, and for refinement a few raw sequences and how
+    the layer turns scores into attention."""
+
+    statistics: object  # decompose.shared_key.KeyStatistics, means per token
+    samples: list  # decompose.shared_key_refinement.SharedKeySample, float16 to halve their memory
+    setting: object | None  # decompose.shared_key_refinement.AttentionSetting
+
+
+class SharedKeyObserver:
+    """Forward pre-hooks on attention modules that compute the module's own queries, keys (and values)
+    from the hidden states it receives and add them to that layer's record."""
+
+    def __init__(self, layout, position_bias, layers: dict, keep_samples: int, current: CurrentBatch):
+        self.layout, self.read_position_bias, self.layers = layout, position_bias, layers
+        self.keep, self.current = keep_samples, current
+        self.found = {prefix: SharedKeyCalibration(None, [], None) for prefix in layers}
+        self.tokens = dict.fromkeys(layers, 0)
+
+    def attach(self, model, prefixes: list[str]) -> list:
+        return [module.register_forward_pre_hook(self.hook(prefix), with_kwargs=True)
+                for prefix, module in modules_of(model, prefixes).items()]
+
+    def hook(self, prefix: str):
+        from ..decompose.shared_key import statistics_of
+        from ..decompose.shared_key_refinement import AttentionSetting, SharedKeySample
+
+        geometry, heads, causal = self.layers[prefix]
+        record, layout, current = self.found[prefix], self.layout, self.current
+
+        def hook(module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            source = kwargs.get("key_value_states")  # encoder-decoder attention: keys and values from the encoder
+            source = hidden if source is None else source
+            queries, keys = layout.original_queries_keys(module, hidden, heads, source)
+            values = layout.original_values(module, source, heads) if self.keep else queries
+            real = zip(current.sequences(queries), current.sequences(keys), current.sequences(values), strict=True)
+            for query, key, value in real:  # each cut to its real tokens: no padding counted
+                more = statistics_of(query.float(), key.float(), geometry)
+                record.statistics = more if record.statistics is None else record.statistics + more
+                self.tokens[prefix] += query.shape[0]
+                if len(record.samples) < self.keep:
+                    record.samples.append(SharedKeySample(*(host_copy(t, torch.float16) for t in (query, key, value))))
+            cos, sin = rotary_tables(kwargs, hidden)
+            if record.setting is None or record.setting.cos.shape[0] < cos.shape[1]:
+                output = layout.output_weight(module)
+                record.setting = AttentionSetting(float(module.scaling), host_copy(cos[0], torch.float32),
+                                                  host_copy(sin[0], torch.float32),
+                                                  getattr(module, "attn_logit_softcapping", None),
+                                                  host_copy(output, torch.float32), causal,
+                                                  self._position_bias(module, args, kwargs))
+            current.observed_one()
+
+        return hook
+
+    def _position_bias(self, module, args, kwargs) -> torch.Tensor | None:
+        """The relative position bias the module adds to its scores (T5's), (N_h, n, m), for refinement."""
+        if self.read_position_bias is None:
+            return None
+        bias = position_bias_of(module, self.read_position_bias, inspect.signature(module.forward), args, kwargs)
+        return None if bias is None else host_copy(bias[0], torch.float32)
+
+    def finished(self, prefix: str) -> SharedKeyCalibration:
+        """The layer's record, statistics as means per token in host memory; forgotten here."""
+        record = self.found.pop(prefix)
+        if record.statistics is None:
+            raise BadInputError(f"calibration never reached {prefix}")
+        record.statistics = record.statistics.scaled(1 / self.tokens[prefix]).to(HOST)
+        return record
+
+
+def rotary_tables(kwargs: dict, hidden: torch.Tensor):
+    """RoPE's cos/sin tables as the module receives them; empty ones (no rotated dimension) for a decoder with
+    absolute positions, whose shared key is all pass-through."""
+    tables = kwargs.get("position_embeddings")
+    if tables is not None:
+        return tables
+    empty = hidden.new_ones(1, hidden.shape[1], 0)
+    return empty, empty
+
+
+def collect_shared_key_statistics(folder: Path, layout, position_bias, layers: dict, texts: list[str],
+                                  max_length: int = 128, progress=None, keep_samples: int = 0,
+                                  token_budget: int | None = None, scratch: Path | None = None,
+                                  width: int | None = None, device: Device = HOST):
+    """Query energy and key second moments of every shared-key layer on real text (decompose/shared_key.py), as
+    means per token, and up to `keep_samples` raw sequences per layer. `layers` maps a prefix to (geometry, head
+    counts, causal); `layout` computes a module's own queries, keys and values; `position_bias` reads a relative
+    position bias from a module's arguments (a family's, or None). The queries and keys are the module's own, after
+    any QK-norm and before RoPE, computed from the hidden states it receives; RoPE tables, scale and soft-capping
+    are read from the same call. Returns the records by prefix and the batches that ran. With a `scratch` folder a
+    block at a time (model_runs.py)."""
+    current = CurrentBatch()
+    observer = SharedKeyObserver(layout, position_bias, layers, keep_samples, current)
+    run = CalibrationRun(max_length, token_budget, width, scratch, device)
+    return observe_calibration(folder, list(layers), texts, observer, current, run, progress)
