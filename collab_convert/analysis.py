@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .architectures.families import forms_offered
+from .architectures.lookup import forms_offered
 from .architectures.source import SourceModel, open_model
 from .decompose.costs import candidate_ranks, collaborative_cost, original_cost
 from .decompose.methods import FitRequest, method_named
@@ -30,7 +30,7 @@ def analyze(model: str, ranks: list[int] | None = None, progress: Progress = no_
     source = open_model(model, options.form)
     progress("opening the model", 1, 1)
     try:
-        if source.family.takes_shared_key:
+        if (source.form == "shared-key"):
             return _analyze_rotary(source, model, options, progress)
         wanted = options.ranks or candidate_ranks(max((layer.shape for layer in source.layers), key=lambda s: s.key_dim))
         for layer in source.layers:
@@ -45,7 +45,7 @@ def analyze(model: str, ranks: list[int] | None = None, progress: Progress = no_
             progress("analyzing", index, len(source.layers))
             layers.append(_analyze_layer(source, layer, wanted, metrics, settings.device))
         progress("analyzing", len(source.layers), len(source.layers))
-        result = AnalysisResult(model=model, family=source.family.name, layers=layers,
+        result = AnalysisResult(model=model, family=source.family.name, form=source.form, layers=layers,
                                 predictions=_predictions(layers, wanted), forms=forms_offered(source.config))
         if options.calibration is not None or options.target_cosine is not None:
             _measure_fidelity(source, settings, metrics, held_out, result, progress)
@@ -175,7 +175,7 @@ def _analyze_rotary(source: SourceModel, model: str, options: AnalyzeOptions, pr
         layers.append(_rotary_layer(source, layer, statistics[layer.prefix], budgets, geometry_of, fit_shared_key,
                                     key_spectrum))
     progress("analyzing", len(source.layers), len(source.layers))
-    return AnalysisResult(model=model, family=source.family.name, layers=layers,
+    return AnalysisResult(model=model, family=source.family.name, form=source.form, layers=layers,
                           predictions=_predictions(layers, widths), forms=forms_offered(source.config))
 
 

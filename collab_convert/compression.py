@@ -44,7 +44,7 @@ def plan(model: str, options: CompressOptions) -> CompressPlan:
 
 
 def _check(source: SourceModel, options: CompressOptions, ranks: dict[str, int] | None = None) -> CompressPlan:
-    if source.family.takes_shared_key:
+    if (source.form == "shared-key"):
         from .rotary_stages import layer_width, plan_layers
 
         return check_plan(source, options, layers=plan_layers(source, layer_width(source, options)))
@@ -82,13 +82,14 @@ def _stages(source: SourceModel, model: str, options: CompressOptions, progress:
     """Everything after the checks, inside the staging folder (its scratch space holds what a block-at-a-time
     calibration keeps on disk)."""
     metrics, calibration, held_out, fitted = None, None, None, None
+    shared = source.form == "shared-key"
     options = within_positions(source, options)
     if options.calibration is not None:
         fitted, held_out = calibration_texts(options)
-        if not source.family.takes_shared_key:
+        if not (source.form == "shared-key"):
             metrics, calibration = calibrate(source, options, fitted, progress, scratch=staged.scratch)
     ranks = None
-    if source.family.takes_shared_key:
+    if (source.form == "shared-key"):
         convert, write_record, calibration, rank_choice = _rotary(source, options, fitted, progress, staged.scratch)
         estimator = _estimator(source, options, None, held_out)
     else:
@@ -105,11 +106,12 @@ def _stages(source: SourceModel, model: str, options: CompressOptions, progress:
     staged.drop_scratch()
     files += copy_non_weight_files(source.folder, staged.folder)
     result = CompressResult(
-        model=model, output=str(staged.output), family=source.family.name, method=options.method,
+        model=model, output=str(staged.output), family=source.family.name, form=source.form,
+        method=None if shared else options.method,
         layers=reports, files=[], seconds=0.0, calibration=calibration, rank_choice=rank_choice,
         threads=threads,
     )
-    write_record(reports, staged.folder, result.method + ("+calibrated" if calibration else ""))
+    write_record(reports, staged.folder, None if shared else result.method + ("+calibrated" if calibration else ""))
     if options.distill_steps:  # checked with the plan: calibration texts and a language model are there
         result.distillation = distill_checkpoint(source, staged.folder, fitted, options, progress)
     if held_out is not None and estimator is not None:  # calibration lends lines to measure the result on
@@ -166,7 +168,7 @@ def _rotary(source: SourceModel, options: CompressOptions, texts: list[str] | No
     ranks = allocate_ranks(source, statistics, width)
     choice = {"mode": "key-cache budget", "numbers_per_token_and_layer": width,
               "share_of_key_cache": round(width / max(layer.full_rank for layer in source.layers), 4),
-              "spread": f"over layers{'' if source.family.absolute_positions else ' and rotary frequencies'}, "
+              "spread": f"over layers{'' if (not source.layout.rotates) else ' and rotary frequencies'}, "
                         "where the most score energy stays"}
 
     def convert(folder: Path, finished):

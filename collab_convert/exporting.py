@@ -108,7 +108,7 @@ def _inputs(folder: Path, wrapper):
     built-in sentences, padded; the example is two of them, so batch and length are traced as dynamic."""
     import inspect
 
-    from .architectures.families import within_positions
+    from .architectures.lookup import within_positions
     from .integration.loading import load_tokenizer
     from .predict import default_probe
 

@@ -29,7 +29,16 @@ from .io.headers import TensorSpec
 from .version import __version__
 
 QUANT_METHOD = "collaborative"
-FORMAT_VERSION = 1
+# The newest record this tool writes and reads. A record states the lowest version that describes it: CP records
+# are unchanged since 1; shared-key records name their form "shared-key" since 2 (an older reader would take
+# such a layer for a CP one, so it must refuse it).
+FORMAT_VERSION = 2
+
+# The forms, as options, families and records name them.
+COLLABORATIVE_FORM = "collaborative"  # the CP form: heads share one query and one key, each with a mixing vector
+SHARED_KEY_FORM = "shared-key"  # heads keep their queries and share one key (per RoPE frequency, where it rotates)
+FORMS = (COLLABORATIVE_FORM, SHARED_KEY_FORM)
+_OLD_FORM_NAMES = {"rotary-shared-key": SHARED_KEY_FORM}  # what format 1 records called the shared-key form
 
 SHARED_QUERY = "shared_query.weight"
 SHARED_KEY = "shared_key.weight"
@@ -38,13 +47,12 @@ CONTENT_BIAS = "content_bias"
 COLLABORATIVE_TENSORS = (SHARED_QUERY, SHARED_KEY, MIXING, CONTENT_BIAS)
 FUSED_VALUE = "value_projection"  # what is left of a fused query/key/value projection: the values
 
-# The rotary form (Tucker: per-head queries kept, one shared rotary key; decompose/shared_key.py). For module P:
+# The shared-key form (Tucker: per-head queries kept, one shared key; decompose/shared_key.py). For module P:
 #   P.shared_key.weight / .bias  (2W + P', D_in)  the shared key, where no key norm sits between (else:)
 #   P.key_mixing                 (2W + P', G d)    the shared key from the normalised keys (QK-norm families)
 #   P.query_core                 (N_h, 2, W)       head i's complex coefficients per shared rotary slot
 #   P.pass_core                  (N_h, p, P')      head i's map onto the shared pass-through dimensions
 #   P.query_projection.weight / .bias              the query part of a fused projection
-ROTARY_FORM = "rotary-shared-key"
 SHARED_KEY_BIAS = "shared_key.bias"
 KEY_MIXING = "key_mixing"
 QUERY_CORE = "query_core"
@@ -126,9 +134,9 @@ class FormatConfig:
 
     @staticmethod
     def shared_key_entry(heads: HeadCounts, head_dim: int, rotary_dim: int, frequency_ranks, pass_rank: int) -> dict:
-        """One rotary layer's record: the cache width as `rank`, and how it splits over frequencies."""
+        """One shared-key layer's record: the cache width as `rank`, and how it splits over RoPE frequencies."""
         return {
-            "form": ROTARY_FORM, "rank": 2 * sum(frequency_ranks) + pass_rank, "num_heads": heads.num_heads,
+            "form": SHARED_KEY_FORM, "rank": 2 * sum(frequency_ranks) + pass_rank, "num_heads": heads.num_heads,
             "kv_heads": heads.kv_heads, "head_dim": head_dim, "rotary_dim": rotary_dim,
             "frequency_ranks": list(frequency_ranks), "pass_rank": pass_rank,
         }
@@ -150,17 +158,26 @@ class FormatConfig:
         return self.to_dict()
 
 
+def layer_form(entry: dict[str, Any]) -> str:
+    """The form a layer's record is in (records of the CP form name none)."""
+    form = entry.get("form") or COLLABORATIVE_FORM
+    return _OLD_FORM_NAMES.get(form, form)
+
+
 def is_collaborative(config: dict[str, Any]) -> bool:
     return (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
 
 
-def write_config(original: dict[str, Any], family: str, method: str, layers: dict[str, dict[str, Any]],
-                 folder: Path) -> None:
-    """config.json of the output: the original's, untouched `architectures`/`model_type`, plus the record."""
+def write_config(original: dict[str, Any], family: str, method: str | None, layers: dict[str, dict[str, Any]],
+                 folder: Path, format_version: int = 1) -> None:
+    """config.json of the output: the original's, untouched `architectures`/`model_type`, plus the record (the
+    decomposition method only where one was used: the CP form's)."""
     config = dict(original)
-    record = FormatConfig(family=family, layers=layers, tool_version=__version__, method=method)
+    record = FormatConfig(family=family, layers=layers, format_version=format_version, tool_version=__version__,
+                          method=method)
     config["quantization_config"] = {
         key: record.to_dict()[key]
         for key in ("quant_method", "format_version", "tool_version", "method", "family", "layers")
+        if key != "method" or method is not None
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=False) + "\n", encoding="utf-8")

@@ -77,6 +77,7 @@ class RankPrediction(_Data):
 class AnalysisResult(_Data):
     model: str
     family: str
+    form: str  # the form analysed: "collaborative" or "shared-key"
     layers: list[LayerAnalysis]
     predictions: list[RankPrediction] = field(default_factory=list)
     probe: str | None = None  # the texts cosines were measured on
@@ -119,7 +120,8 @@ class CompressResult(_Data):
     model: str
     output: str
     family: str
-    method: str
+    form: str  # the form the layers were compressed into: "collaborative" or "shared-key"
+    method: str | None  # the CP form's decomposition method; None for forms that have none
     layers: list[LayerReport]
     files: list[str]
     seconds: float
@@ -166,7 +168,8 @@ class CompressPlan(_Data):
     model: str
     output: str
     family: str
-    method: str
+    form: str
+    method: str | None
     layers: list[dict[str, Any]]
     parameters_before: int
     parameters_after: int

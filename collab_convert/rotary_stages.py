@@ -55,7 +55,7 @@ def geometry_of(layer: AttentionLayer) -> HeadGeometry:
 
 
 def key_norm(source: SourceModel) -> bool:
-    return source.family.layout.keeps_key_projection(source.config)
+    return source.layout.keeps_key_projection(source.config)
 
 
 def layer_width(source: SourceModel, options: CompressOptions) -> int:
@@ -74,9 +74,9 @@ def layer_width(source: SourceModel, options: CompressOptions) -> int:
         )
     for layer in source.layers:
         layer.check_rank(width)
-    if source.family.absolute_positions and width < 1:
+    if (not source.layout.rotates) and width < 1:
         raise BadInputError(f"a shared key needs at least 1 number per token, got {width}")
-    if not source.family.absolute_positions and width < 2:
+    if not (not source.layout.rotates) and width < 2:
         raise BadInputError(f"a shared rotary key needs at least 2 numbers per token (one complex dimension), "
                             f"got {width}")
     return width
@@ -106,14 +106,14 @@ def _shape(source: SourceModel, layer: AttentionLayer) -> SharedKeyShape:
 def weight_statistics(source: SourceModel, layer: AttentionLayer) -> KeyStatistics:
     """From the weights alone, inputs taken as isotropic. Where a QK-norm sits before RoPE, its scale is applied
     to the projected tokens and each head's vectors are brought to unit mean square, as the norm does."""
-    weights = source.family.layout.read(source.reader, layer)
+    weights = source.layout.read(source.reader, layer)
     geometry = geometry_of(layer)
     scale, shift = _input_norm(source, layer)
     d = geometry.head_dim
     queries = projection_tokens(*_through_norm(weights.query_weight, weights.query_bias, scale, shift),
                                 geometry.num_heads, d)
     keys = projection_tokens(*_through_norm(weights.key_weight, weights.key_bias, scale, shift), geometry.kv_heads, d)
-    layout = source.family.layout
+    layout = source.layout
     if layout.query_norm and key_norm(source):
         queries = _normalised(queries, _norm_scale(source, layer, layout.query_norm), layout.norm_over_heads)
         keys = _normalised(keys, _norm_scale(source, layer, layout.key_norm), layout.norm_over_heads)
@@ -152,7 +152,7 @@ def _input_norm(source: SourceModel, layer: AttentionLayer):
     """Scale and shift of the norm in front of the attention: a normalised hidden state has unit-scale channels,
     so the attention's inputs are about scale * unit + shift (decoders' channel scales differ by orders of
     magnitude, which an isotropic guess would miss)."""
-    names = source.family.layout.input_norm_names(layer.prefix)
+    names = source.layout.input_norm_names(layer.prefix)
     if names is None or names[0] not in source.reader:
         return None, None
     scale = _effective_scale(source, source.reader.get(names[0]))
@@ -204,7 +204,7 @@ def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: 
     layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads), layer.causal)
               for layer in source.layers}
     keep = min(options.refine_samples, SHARED_KEY_REFINE_SAMPLES) if options.refine_steps else 0
-    calibrations, batches = collect_shared_key_statistics(source.folder, source.family.layout, source.family.position_bias, layers, texts,
+    calibrations, batches = collect_shared_key_statistics(source.folder, source.layout, source.family.position_bias, layers, texts,
                                                       options.calibration_max_length, progress, keep_samples=keep,
                                                       token_budget=options.calibration_tokens, scratch=scratch,
                                                       width=source.width, device=options.device)
@@ -218,7 +218,7 @@ def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: 
         "tokens": batches.tokens,
         "max_length": options.calibration_max_length,
         "objective": "score energy on the calibration tokens: key second moments"
-                     + ("" if source.family.absolute_positions else " per frequency") + ", weighted by "
+                     + ("" if (not source.layout.rotates) else " per frequency") + ", weighted by "
                      "the energy of the queries that read them",
         "refinement": refinement,
     }
@@ -252,7 +252,7 @@ def _shares(spectrum: KeySpectrum) -> KeySpectrum:
 def convert_rotary_weights(source: SourceModel, options: CompressOptions, folder: Path, progress: Progress,
                            ranks: dict[str, KeyRanks], statistics: Mapping[str, KeyStatistics], calibrations=None,
                            finished=None):
-    layout, normed = source.family.layout, key_norm(source)
+    layout, normed = source.layout, key_norm(source)
 
     def specs(layer: AttentionLayer):
         r = ranks[layer.prefix]
@@ -277,7 +277,7 @@ def convert_rotary_weights(source: SourceModel, options: CompressOptions, folder
 def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, statistics: KeyStatistics,
                normed: bool, calibration, options: CompressOptions):
     started = time.perf_counter()
-    weights = source.family.layout.read(source.reader, layer)
+    weights = source.layout.read(source.reader, layer)
     factors = fit_shared_key(statistics, geometry_of(layer), ranks)
     refinement = None
     if calibration is not None and calibration.samples and ranks != KeyRanks.full(geometry_of(layer)):
@@ -344,4 +344,4 @@ def write_rotary_config(source: SourceModel, reports: list[LayerReport], folder:
         entry = FormatConfig.shared_key_entry(HeadCounts(layer.shape.num_heads, layer.kv_heads), layer.shape.head_dim,
                                           layer.rotary_dim, report.frequency_ranks, report.pass_rank)
         layers[report.name] = {**entry, **({"key_norm": True} if normed else {})}
-    write_config(source.config, source.family.name, method, layers, folder)
+    write_config(source.config, source.family.name, None, layers, folder, format_version=2)

@@ -48,7 +48,8 @@ def check_plan(source: SourceModel, options: CompressOptions, ranks: dict[str, i
         model=source.source,
         output=str(output),
         family=source.family.name,
-        method=options.method,
+        form=source.form,
+        method=None if source.form == "shared-key" else options.method,
         layers=layers,
         parameters_before=sum(layer["parameters_before"] for layer in layers),
         parameters_after=sum(layer["parameters_after"] or 0 for layer in layers),
@@ -64,7 +65,7 @@ def check_device(device: str) -> None:
 
 def within_positions(source: SourceModel, options: CompressOptions) -> CompressOptions:
     """Calibration texts cut where the model's position embeddings end: a longer cut would index past them."""
-    from .architectures.families import within_positions as cut
+    from .architectures.lookup import within_positions as cut
 
     length = cut(source.config, options.calibration_max_length)
     if length != options.calibration_max_length:
@@ -136,7 +137,7 @@ def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], p
 
     refines = refine and bool(options.refine_steps)
     metrics, batches = collect_statistics(
-        source.folder, source.family.layout, source.family.position_bias, [layer.prefix for layer in source.layers], texts,
+        source.folder, source.layout, source.family.position_bias, [layer.prefix for layer in source.layers], texts,
         options.calibration_max_length, progress, keep_samples=options.refine_samples if refines else 0,
         token_budget=options.calibration_tokens, scratch=scratch,
         width=source.width, device=options.device,
@@ -195,7 +196,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
     calibrated = metrics is not None
 
     def specs(layer: AttentionLayer) -> list[TensorSpec]:
-        found = source.family.layout.output_specs(source.reader, layer, ranks[layer.prefix])
+        found = source.layout.output_specs(source.reader, layer, ranks[layer.prefix])
         if layer.stores_content_bias(calibrated):
             return found
         return [spec for spec in found if spec.name != f"{layer.prefix}.{CONTENT_BIAS}"]

@@ -13,6 +13,7 @@ from collab_convert.format import (
     LayerFormat,
     collaborative_tensors,
     is_collaborative,
+    layer_form,
     write_config,
 )
 
@@ -39,7 +40,7 @@ def test_config_records_the_transform_next_to_untouched_architecture(tmp_path):
     assert written["architectures"] == ["BertModel"] and written["model_type"] == "bert"
     assert is_collaborative(written) and not is_collaborative(original)
     record = written["quantization_config"]
-    assert record["format_version"] == FORMAT_VERSION
+    assert record["format_version"] == 1  # the CP form's record is unchanged since format 1
     assert record["layers"] == {"a": {"rank": 4, "num_heads": 2}, "b": {"rank": 4, "num_heads": 4, "kv_heads": 1}}
     read = FormatConfig(**{k: v for k, v in record.items() if k != "quant_method"})
     assert read.layer_shapes() == {"a": (4, HeadCounts(2, 2)), "b": (4, HeadCounts(4, 1))}
@@ -48,3 +49,19 @@ def test_config_records_the_transform_next_to_untouched_architecture(tmp_path):
 def test_a_newer_format_is_refused_with_what_to_do():
     with pytest.raises(ValueError, match="upgrade collab-convert"):
         FormatConfig(family="bert", layers={}, format_version=FORMAT_VERSION + 1)
+
+
+def test_a_shared_key_record_states_the_version_that_names_its_form(tmp_path):
+    entry = FormatConfig.shared_key_entry(HeadCounts(4, 2), 8, 8, [1, 1, 0, 0], 0)
+    write_config({"model_type": "llama"}, "llama", None, {"a": entry}, tmp_path, format_version=2)
+    record = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert record["format_version"] == 2 == FORMAT_VERSION and "method" not in record  # no decomposition method
+    assert layer_form(record["layers"]["a"]) == "shared-key"
+
+
+def test_records_of_older_versions_still_read():
+    from collab_convert.architectures.lookup import family_named
+
+    assert layer_form({"form": "rotary-shared-key", "rank": 8}) == "shared-key"  # format 1's name of the form
+    assert layer_form({"rank": 8, "num_heads": 2}) == "collaborative"
+    assert family_named("gpt2-shared-key").name == "gpt2"  # format 1 named the family in its form

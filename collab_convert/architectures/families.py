@@ -1,23 +1,23 @@
 """Everything collab-convert knows about model families, as data.
 
 A family says which config `model_type`s it covers, where its attention modules sit (regexes over module /
-tensor-name prefixes, each with the config key that gives its head count) and how their query/key
-projections are laid out (layouts.py). The collaborative module keeps the original forward (modeling/), so
-adding a family whose layout exists is one entry in FAMILIES and a test. Rotary decoders (ROTARY_FAMILIES) take
-the shared-key form; SHARED_KEY_FAMILIES offer that form to families whose default is the CP form.
+tensor-name prefixes, each with the config key that gives its head count), and the forms it offers: for each,
+how its projections are laid out in that form (layouts.py, shared_key.py) and, where its modules score inline
+instead of calling the attention interface, a forward of ours (modeling/). Its default form comes first.
+Adding a family whose layouts exist is one entry here and a test; lookup.py finds the entry of a config.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UnsupportedModelError
+from ..format import COLLABORATIVE_FORM, SHARED_KEY_FORM, HeadCounts
 from ..modeling.forwards import bart_forward, gpt2_forward, gpt_bigcode_forward, mpnet_forward, opt_forward, t5_forward
 from ..modeling.shared_key import bart_shared_key_forward, t5_shared_key_forward
-from ..format import HeadCounts
 from .layouts import FusedProjection, Layout, SeparateProjections
 from .shared_key import SharedKeyProjections
 
@@ -33,14 +33,23 @@ class Site:
 
 
 @dataclass(frozen=True)
+class FormOffer:
+    """One form a family takes: its projections' layout in that form, the forward its modules need there (None:
+    their own), and config values that only this form cannot reproduce, as (key, allowed values, reason)."""
+
+    form: str
+    layout: Layout | SharedKeyProjections
+    forward: Callable | None = None
+    requires: tuple[tuple[str, tuple, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_types: tuple[str, ...]
     sites: tuple[Site, ...]
-    layout: Layout | SharedKeyProjections = SeparateProjections()
-    # Modules that compute scores inline instead of calling the attention interface need our forward.
-    forward: Callable | None = None
-    # Config values the collaborative form cannot reproduce, as (key, allowed values, reason).
+    offers: tuple[FormOffer, ...]  # the forms it takes, its default first
+    # Config values no form can reproduce, as (key, allowed values, reason).
     requires: tuple[tuple[str, tuple, str], ...] = ()
     # Grouped-query attention: how many key/value heads a config has (None: one per query head). The heads of
     # a group share their key, so T[i] = W_Q^(i)^T W_K^(g(i)).
@@ -48,14 +57,15 @@ class Family:
     # The relative position bias a module adds to its scores, read from its bound forward arguments during
     # calibration (None: it adds none). Refinement matches softmax(scaling * q.k + position bias) plus masks.
     position_bias: Callable[[Any, dict[str, Any]], Any] | None = None
-    # The shared-key form of a decoder with absolute positions (GPT-2, OPT): nothing rotates, so every key
-    # dimension is a pass-through one and the shared key is one real subspace of all key heads.
-    absolute_positions: bool = False
+    # Why a form is not offered, where the reason is worth saying: (form, reason).
+    not_offered: tuple[tuple[str, str], ...] = ()
 
     @property
-    def takes_shared_key(self) -> bool:
-        """Families in the shared-key (Tucker) form: per-head queries kept, one shared key, not the CP form."""
-        return isinstance(self.layout, SharedKeyProjections)
+    def forms(self) -> tuple[str, ...]:
+        return tuple(offer.form for offer in self.offers)
+
+    def offer(self, form: str) -> FormOffer | None:
+        return next((offer for offer in self.offers if offer.form == form), None)
 
     def site_of(self, module_name: str) -> Site | None:
         for site in self.sites:
@@ -84,6 +94,16 @@ class Family:
         return value
 
 
+def collaborative(layout: Layout, forward: Callable | None = None) -> FormOffer:
+    """The CP form: heads share one query and one key, each with a mixing vector."""
+    return FormOffer(COLLABORATIVE_FORM, layout, forward)
+
+
+def shared_key(layout: SharedKeyProjections, forward: Callable | None = None, requires=()) -> FormOffer:
+    """The shared-key form: heads keep their queries and share one key (per RoPE frequency, where RoPE rotates)."""
+    return FormOffer(SHARED_KEY_FORM, layout, forward, requires)
+
+
 def _handed_position_bias(module, arguments: dict[str, Any]):
     """MPNet: the encoder computes the bias once and hands it to every layer."""
     return arguments.get("position_bias")
@@ -109,25 +129,31 @@ _ABSOLUTE_ONLY = (
     ),
 )
 
+# The shared-key form of models with absolute or relative positions (GPT-2, OPT, GPTBigCode, BART, T5): each head
+# keeps its query (bias and all, so no content bias is needed), one shared key of R numbers per token replaces the
+# key heads, and nothing rotates (every key dimension is pass-through). At moderate cuts of the cache it keeps more
+# of the scores than the CP form; the CP form saves more parameters.
 FAMILIES: tuple[Family, ...] = (
     Family(
         name="bert",
         # Models whose self-attention is BertSelfAttention or a verbatim copy of it.
         model_types=("bert", "roberta", "xlm-roberta", "electra", "camembert", "data2vec-text", "ernie"),
         sites=(Site(r"(^|\.)encoder\.layer\.\d+\.attention\.self$"),),
+        offers=(collaborative(SeparateProjections()),),
         requires=_ABSOLUTE_ONLY,
     ),
     Family(
         name="distilbert",
         model_types=("distilbert",),
         sites=(Site(r"(^|\.)transformer\.layer\.\d+\.attention$", "n_heads"),),
-        layout=SeparateProjections("q_lin", "k_lin"),
+        offers=(collaborative(SeparateProjections("q_lin", "k_lin")),),
     ),
     Family(
         # One attention module per layer group, shared by every layer of the group: decomposed once.
         name="albert",
         model_types=("albert",),
         sites=(Site(r"(^|\.)encoder\.albert_layer_groups\.\d+\.albert_layers\.\d+\.attention$"),),
+        offers=(collaborative(SeparateProjections()),),
         requires=_ABSOLUTE_ONLY,
     ),
     Family(
@@ -136,22 +162,25 @@ FAMILIES: tuple[Family, ...] = (
         name="mpnet",
         model_types=("mpnet",),
         sites=(Site(r"(^|\.)encoder\.layer\.\d+\.attention\.attn$"),),
-        layout=SeparateProjections("q", "k"),
-        forward=mpnet_forward,
+        offers=(collaborative(SeparateProjections("q", "k"), mpnet_forward),),
         position_bias=_handed_position_bias,
     ),
     Family(
         name="vit",
         model_types=("vit", "deit"),
         sites=(Site(r"(^|\.)layers\.\d+\.attention$"),),
-        layout=SeparateProjections("q_proj", "k_proj"),
+        offers=(collaborative(SeparateProjections("q_proj", "k_proj")),),
     ),
     Family(
         name="gpt2",
         model_types=("gpt2",),
         sites=(Site(r"(^|\.)h\.\d+\.attn$", "n_head", causal=True),),
-        layout=FusedProjection("c_attn", conv1d=True),
-        forward=gpt2_forward,  # so the cache holds exactly the packed shared key (no head-size chunks)
+        offers=(
+            # our forward, so the cache holds exactly the packed shared key (no head-size chunks)
+            collaborative(FusedProjection("c_attn", conv1d=True), gpt2_forward),
+            shared_key(SharedKeyProjections(fused="c_attn", conv1d=True, output="c_proj", output_dropout="resid_dropout",
+                                            dropout="attn_dropout", input_norm="ln_1", rotates=False)),
+        ),
         requires=(
             ("reorder_and_upcast_attn", (None, False), "its upcast path multiplies the per-head queries and keys"),
             ("add_cross_attention", (None, False), "its cross-attention fuses keys with values differently"),
@@ -164,8 +193,11 @@ FAMILIES: tuple[Family, ...] = (
         name="gpt_bigcode",
         model_types=("gpt_bigcode",),
         sites=(Site(r"(^|\.)h\.\d+\.attn$", "n_head", causal=True),),
-        layout=FusedProjection("c_attn"),
-        forward=gpt_bigcode_forward,
+        offers=(
+            collaborative(FusedProjection("c_attn"), gpt_bigcode_forward),
+            shared_key(SharedKeyProjections(fused="c_attn", output="c_proj", output_dropout="resid_dropout",
+                                            dropout="attn_dropout", input_norm="ln_1", rotates=False)),
+        ),
         kv_heads=lambda config: 1,
         requires=(
             ("multi_query", (None, True), "its multi-head variant interleaves q/k/v per head in c_attn"),
@@ -177,8 +209,18 @@ FAMILIES: tuple[Family, ...] = (
         name="opt",
         model_types=("opt",),
         sites=(Site(r"(^|\.)decoder\.layers\.\d+\.self_attn$", causal=True),),
-        layout=SeparateProjections("q_proj", "k_proj"),
-        forward=opt_forward,  # its views spell out the head count, so the packed shared key needs our forward
+        offers=(
+            # our forward: its views spell out the head count, so the packed shared key needs our own
+            collaborative(SeparateProjections("q_proj", "k_proj"), opt_forward),
+            shared_key(
+                SharedKeyProjections(output="out_proj", dropout="dropout", input_norm="self_attn_layer_norm",
+                                     rotates=False),
+                # A post-norm OPT (opt-350m) has no norm in front of its attention to tell the input scales
+                requires=(("do_layer_norm_before", (None, True), "the shared-key form reads the scale of the norm "
+                           "in front of attention, which a post-norm OPT does not have; its default (CP) form "
+                           "works"),),
+            ),
+        ),
     ),
     Family(
         name="bart",
@@ -188,8 +230,14 @@ FAMILIES: tuple[Family, ...] = (
             Site(r"(^|\.)decoder\.layers\.\d+\.self_attn$", "decoder_attention_heads", causal=True),
             Site(r"(^|\.)decoder\.layers\.\d+\.encoder_attn$", "decoder_attention_heads", cross=True),
         ),
-        layout=SeparateProjections("q_proj", "k_proj"),
-        forward=bart_forward,  # so the caches hold exactly the packed shared key (no head-size chunks)
+        offers=(
+            # our forward, so the caches hold exactly the packed shared key (no head-size chunks)
+            collaborative(SeparateProjections("q_proj", "k_proj"), bart_forward),
+            # Every attention module takes the form; the decoder's caches hold the shared keys. BART normalises
+            # after attention, so weight-only fits take isotropic inputs.
+            shared_key(SharedKeyProjections(output="out_proj", dropout="dropout", input_norm=None, rotates=False),
+                       bart_shared_key_forward),
+        ),
     ),
     Family(
         # No 1/sqrt(d_k) scaling (the module's scaling is 1) and a relative position bias: both stay as they are.
@@ -200,13 +248,18 @@ FAMILIES: tuple[Family, ...] = (
             Site(r"(^|\.)decoder\.block\.\d+\.layer\.0\.SelfAttention$", "num_heads", causal=True),
             Site(r"(^|\.)decoder\.block\.\d+\.layer\.1\.EncDecAttention$", "num_heads", cross=True),
         ),
-        layout=SeparateProjections("q", "k"),
+        offers=(
+            collaborative(SeparateProjections("q", "k"), t5_forward),
+            shared_key(SharedKeyProjections(query="q", key="k", value="v", output="o", dropout="dropout",
+                                            input_norm=None, rotates=False), t5_shared_key_forward),
+        ),
         position_bias=_t5_position_bias,
-        forward=t5_forward,  # so the caches hold exactly the packed shared key (no head-size chunks)
     ),
 )
 
 _DECODER_LAYERS = (Site(r"(^|\.)layers\.\d+\.self_attn$", causal=True),)
+_ROTARY = ((COLLABORATIVE_FORM, "it is a rotary decoder: it takes the shared-key form only (RoPE does not commute "
+                                "with the CP form's shared query)"),)
 
 
 def _kv_heads(config: dict[str, Any]) -> int:
@@ -216,88 +269,31 @@ def _kv_heads(config: dict[str, Any]) -> int:
     return value
 
 
-# Rotary decoders: per-head queries kept, one shared key per frequency (decompose/shared_key.py). RoPE itself,
-# masks, sliding windows and soft-capping stay the model's own (modeling/shared_key.py).
+def _rotary_decoder(name: str, model_types: tuple[str, ...], layout: SharedKeyProjections, **fields) -> Family:
+    """A rotary decoder: per-head queries kept, one shared key per frequency (decompose/shared_key.py). RoPE
+    itself, masks, sliding windows and soft-capping stay the model's own (modeling/shared_key.py)."""
+    return Family(name=name, model_types=model_types, sites=fields.pop("sites", _DECODER_LAYERS),
+                  offers=(shared_key(layout),), not_offered=_ROTARY, **fields)
+
+
 ROTARY_FAMILIES: tuple[Family, ...] = (
-    Family(
-        name="llama",
-        model_types=("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "gemma", "gemma2", "granite"),
-        sites=_DECODER_LAYERS,
-        layout=SharedKeyProjections(),
-    ),
-    Family(
-        # The norm acts on each head's query and key before RoPE: it stays, and the normalised keys are shared.
-        name="qk_norm",
-        model_types=("qwen3", "qwen3_moe", "gemma3_text"),
-        sites=_DECODER_LAYERS,
-        layout=SharedKeyProjections(query_norm="q_norm", key_norm="k_norm"),
-    ),
-    Family(
-        name="olmo2",
-        model_types=("olmo2",),
-        sites=_DECODER_LAYERS,
-        layout=SharedKeyProjections(query_norm="q_norm", key_norm="k_norm", norm_over_heads=True, input_norm=None),
-    ),
-    Family(
-        name="phi3",
-        model_types=("phi3",),
-        sites=_DECODER_LAYERS,
-        layout=SharedKeyProjections(fused="qkv_proj"),
-        kv_heads=_kv_heads,
-    ),
-    Family(
-        # Partial rotary; qk_layernorm (optional) normalises each head's query and key.
-        name="phi",
-        model_types=("phi",),
-        sites=_DECODER_LAYERS,
-        layout=SharedKeyProjections(output="dense", query_norm="q_layernorm", key_norm="k_layernorm"),
-    ),
-    Family(
-        # Partial rotary, and q/k/v interleaved head by head in one projection.
-        name="gpt_neox",
-        model_types=("gpt_neox",),
-        sites=(Site(r"(^|\.)layers\.\d+\.attention$", causal=True),),
-        layout=SharedKeyProjections(fused="query_key_value", interleaved=True, output="dense"),
-    ),
+    _rotary_decoder("llama", ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "gemma", "gemma2", "granite"),
+                    SharedKeyProjections()),
+    # The norm acts on each head's query and key before RoPE: it stays, and the normalised keys are shared.
+    _rotary_decoder("qk_norm", ("qwen3", "qwen3_moe", "gemma3_text"),
+                    SharedKeyProjections(query_norm="q_norm", key_norm="k_norm")),
+    _rotary_decoder("olmo2", ("olmo2",), SharedKeyProjections(query_norm="q_norm", key_norm="k_norm",
+                                                              norm_over_heads=True, input_norm=None)),
+    _rotary_decoder("phi3", ("phi3",), SharedKeyProjections(fused="qkv_proj"), kv_heads=_kv_heads),
+    # Partial rotary; qk_layernorm (optional) normalises each head's query and key.
+    _rotary_decoder("phi", ("phi",), SharedKeyProjections(output="dense", query_norm="q_layernorm",
+                                                          key_norm="k_layernorm")),
+    # Partial rotary, and q/k/v interleaved head by head in one projection.
+    _rotary_decoder("gpt_neox", ("gpt_neox",), SharedKeyProjections(fused="query_key_value", interleaved=True,
+                                                                    output="dense"),
+                    sites=(Site(r"(^|\.)layers\.\d+\.attention$", causal=True),)),
 )
 FAMILIES = FAMILIES + ROTARY_FAMILIES
-
-SHARED_KEY = "shared-key"
-
-
-def _shared_key_form(name: str, layout: SharedKeyProjections, **changes) -> Family:
-    """The shared-key entry of the CP family `name`: the same model_types, sites, head counts, requirements and
-    position bias, a shared-key layout, and nothing rotating."""
-    family = next(f for f in FAMILIES if f.name == name)
-    return replace(family, **{"name": f"{name}-{SHARED_KEY}", "layout": layout, "forward": None,
-                              "absolute_positions": True, **changes})
-
-
-# Absolute-position decoders (and encoder-decoders) in the shared-key form (--form shared-key): each head keeps
-# its query (bias and all, so no content bias is needed), one shared key of R numbers per token replaces the key
-# heads. At moderate cuts of the cache it keeps more of the scores than the CP form; the CP form saves more
-# parameters. family_for picks an entry here or its CP twin by the form asked for.
-SHARED_KEY_FAMILIES: tuple[Family, ...] = (
-    _shared_key_form("gpt2", SharedKeyProjections(fused="c_attn", conv1d=True, output="c_proj",
-                                               output_dropout="resid_dropout", dropout="attn_dropout",
-                                               input_norm="ln_1")),
-    _shared_key_form("gpt_bigcode", SharedKeyProjections(fused="c_attn", output="c_proj", output_dropout="resid_dropout",
-                                                      dropout="attn_dropout", input_norm="ln_1")),
-    _shared_key_form(
-        "opt", SharedKeyProjections(output="out_proj", dropout="dropout", input_norm="self_attn_layer_norm"),
-        # A post-norm OPT (opt-350m) has no norm in front of its attention to tell the input scales
-        requires=(("do_layer_norm_before", (None, True), "the shared-key form reads the scale of the norm in front "
-                   "of attention, which a post-norm OPT does not have; its default (CP) form works"),),
-    ),
-    # Every attention module takes the form (encoder, decoder, encoder-decoder); the decoder's caches hold the
-    # shared keys. BART normalises after attention, so weight-only fits take isotropic inputs.
-    _shared_key_form("bart", SharedKeyProjections(output="out_proj", dropout="dropout", input_norm=None),
-                     forward=bart_shared_key_forward),
-    # T5's relative position bias and unscaled scores stay as they are (calibration reads the bias).
-    _shared_key_form("t5", SharedKeyProjections(query="q", key="k", value="v", output="o", dropout="dropout",
-                                             input_norm=None),
-                     forward=t5_shared_key_forward),
-)
 
 # Families the collaborative form cannot represent exactly, and why. Checked before FAMILIES.
 _OTHER_ROTARY = (
@@ -318,91 +314,6 @@ REFUSED: dict[str, str] = {
     "deberta-v2": "its disentangled attention adds content-to-position terms with their own projections",
 }
 
-
 # Learned positions that start after the padding index (RoBERTa's scheme): pad_token_id + 1 of them are never
 # used by real tokens.
-_POSITIONS_AFTER_PADDING = ("roberta", "xlm-roberta", "camembert", "data2vec-text", "mpnet")
-
-
-def position_limit(config: dict[str, Any]) -> int | None:
-    """The most tokens one input may have before the model's position embeddings run out (None: no limit
-    stated). Rotary decoders state a trained length, which is a sensible limit for calibration too."""
-    for key in ("max_position_embeddings", "n_positions"):
-        value = config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            if config.get("model_type") in _POSITIONS_AFTER_PADDING:
-                value -= int(config.get("pad_token_id") or 0) + 1
-            return max(value, 2)
-    return None
-
-
-def within_positions(config: dict[str, Any], max_length: int) -> int:
-    """`max_length` tokens, or fewer where the model's position embeddings end (a longer input would index
-    past them): the one cut every tokenization of text for a model goes through."""
-    limit = position_limit(config)
-    return min(max_length, limit) if limit is not None else max_length
-
-
-def family_for(config: dict[str, Any], form: str = "auto") -> Family:
-    """The family of a config, in the form asked for: "collaborative" (CP), "shared-key" (per-head queries, one
-    shared key; the only form of rotary decoders) or "auto" (each family's own)."""
-    family = _family_of(config)
-    if form == SHARED_KEY and not family.takes_shared_key:
-        shared = next((f for f in SHARED_KEY_FAMILIES if config.get("model_type") in f.model_types), None)
-        if shared is None:
-            names = sorted({t for f in SHARED_KEY_FAMILIES + ROTARY_FAMILIES for t in f.model_types})
-            raise UnsupportedModelError(f"the shared-key form (--form shared-key, --key-cache) is not offered for "
-                                        f"model_type '{config.get('model_type')}' (offered for: {', '.join(names)})")
-        _check_requirements(shared, config)
-        return shared
-    if form == "collaborative" and family.takes_shared_key:
-        raise UnsupportedModelError(f"{family.name} is a rotary decoder: it takes the shared-key form only (RoPE "
-                                    "does not commute with the CP form's shared query); drop --form collaborative")
-    return family
-
-
-def forms_offered(config: dict[str, Any]) -> list[str]:
-    """The forms a config's model can take: "collaborative" and/or "shared-key"."""
-    forms = []
-    for form in ("collaborative", SHARED_KEY):
-        try:
-            family_for(config, form)
-        except UnsupportedModelError:
-            continue
-        forms.append(form)
-    return forms
-
-
-def _check_requirements(family: Family, config: dict[str, Any]) -> None:
-    for key, allowed, reason in family.requires:
-        if config.get(key) not in allowed:
-            raise UnsupportedModelError(f"{key}={config.get(key)!r} is not supported: {reason}")
-
-
-def _family_of(config: dict[str, Any]) -> Family:
-    model_type = config.get("model_type")
-    if model_type is not None and not isinstance(model_type, str):
-        raise UnsupportedModelError(f"config.json's model_type {model_type!r} is not a name")
-    if not model_type:
-        raise UnsupportedModelError("config.json has no model_type, so the architecture cannot be recognised")
-    if model_type in REFUSED:
-        raise UnsupportedModelError(f"model_type '{model_type}' is not supported: {REFUSED[model_type]}")
-    for family in FAMILIES:
-        if model_type in family.model_types:
-            _check_requirements(family, config)
-            return family
-    raise UnsupportedModelError(
-        f"model_type '{model_type}' is not supported (supported: {', '.join(supported_model_types())})"
-    )
-
-
-def supported_model_types() -> list[str]:
-    return sorted(t for f in FAMILIES for t in f.model_types)
-
-
-def family_named(name: str) -> Family:
-    for family in FAMILIES + SHARED_KEY_FAMILIES:
-        if family.name == name:
-            return family
-    known = ", ".join(f.name for f in FAMILIES + SHARED_KEY_FAMILIES)
-    raise UnsupportedModelError(f"unknown collaborative family '{name}' (known: {known})")
+POSITIONS_AFTER_PADDING = ("roberta", "xlm-roberta", "camembert", "data2vec-text", "mpnet")

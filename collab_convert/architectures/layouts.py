@@ -100,7 +100,7 @@ def per_query_head(key_weight: torch.Tensor, layer: AttentionLayer) -> torch.Ten
     return blocks.repeat_interleave(groups, dim=0).reshape(layer.shape.key_dim, -1)
 
 
-def _split_error(name: str, shape, heads: HeadCounts) -> BadInputError:
+def split_error(name: str, shape, heads: HeadCounts) -> BadInputError:
     grouped = f" and {heads.kv_heads} key/value heads" if heads.kv_heads != heads.num_heads else ""
     return BadInputError(f"{name} has shape {tuple(shape)}, which does not split into {heads.num_heads} heads{grouped}")
 
@@ -121,16 +121,17 @@ class SeparateProjections:
         return self.query
 
     # --- checkpoints -------------------------------------------------------------------------------------
-    def find(self, reader: TensorReader, prefix: str, heads: HeadCounts, causal: bool) -> AttentionLayer:
+    def find(self, reader: TensorReader, prefix: str, heads: HeadCounts, causal: bool,
+             config: dict) -> AttentionLayer:
         query_weight, key_weight = f"{prefix}.{self.query}.weight", f"{prefix}.{self.key}.weight"
         if key_weight not in reader:
             raise BadInputError(f"{prefix} has a query projection but no key projection ({key_weight})")
         query_shape, key_shape = reader.spec(query_weight).shape, reader.spec(key_weight).shape
         if len(query_shape) != 2 or query_shape[0] == 0 or query_shape[0] % heads.num_heads:
-            raise _split_error(query_weight, query_shape, heads)
+            raise split_error(query_weight, query_shape, heads)
         head_dim = query_shape[0] // heads.num_heads
         if len(key_shape) != 2 or key_shape[0] == 0 or key_shape[0] % head_dim or heads.num_heads % max(key_shape[0] // head_dim, 1):
-            raise _split_error(key_weight, key_shape, heads)
+            raise split_error(key_weight, key_shape, heads)
         return AttentionLayer(
             prefix=prefix,
             shape=LayerShape(input_dim=query_shape[1], num_heads=heads.num_heads, head_dim=head_dim),
@@ -196,15 +197,16 @@ class FusedProjection:
         return weight.T if self.conv1d else weight
 
     # --- checkpoints -------------------------------------------------------------------------------------
-    def find(self, reader: TensorReader, prefix: str, heads: HeadCounts, causal: bool) -> AttentionLayer:
+    def find(self, reader: TensorReader, prefix: str, heads: HeadCounts, causal: bool,
+             config: dict) -> AttentionLayer:
         name = f"{prefix}.{self.name}.weight"
         shape = reader.spec(name).shape  # from the header: nothing is loaded until the layer is fitted
         if len(shape) != 2:
-            raise _split_error(name, shape, heads)
+            raise split_error(name, shape, heads)
         d_in, width = shape if self.conv1d else shape[::-1]
         head_dim = width // (heads.num_heads + 2 * heads.kv_heads)
         if head_dim == 0 or head_dim * (heads.num_heads + 2 * heads.kv_heads) != width:
-            raise _split_error(name, shape, heads)
+            raise split_error(name, shape, heads)
         return AttentionLayer(
             prefix=prefix,
             shape=LayerShape(input_dim=d_in, num_heads=heads.num_heads, head_dim=head_dim),

@@ -20,7 +20,7 @@ from ..format import FUSED_QUERY, FUSED_VALUE, KEY_MIXING, PASS_CORE, QUERY_CORE
 from ..format import HeadCounts
 from ..io.headers import TensorSpec
 from ..io.reader import TensorReader
-from .layouts import AttentionLayer, SeparateProjections, _split_error, finite
+from .layouts import AttentionLayer, SeparateProjections, finite, split_error
 from ..decompose.costs import LayerShape
 
 
@@ -52,6 +52,9 @@ class SharedKeyProjections:
     # The norm in front of the attention, a sibling of the attention module: its scale tells a weight-only fit
     # how large each input channel is (None: the family normalises after attention, as OLMo-2 does).
     input_norm: str | None = "input_layernorm"
+    # RoPE rotates the keys (rotary decoders); False for absolute or relative positions (GPT-2, OPT, BART, T5 in
+    # the shared-key form): no dimension rotates, the whole shared key is pass-through.
+    rotates: bool = True
 
     def input_norm_names(self, prefix: str) -> tuple[str, str] | None:
         """(weight, bias) tensor names of the input norm of the attention module at `prefix`."""
@@ -72,11 +75,17 @@ class SharedKeyProjections:
 
     # --- checkpoints -------------------------------------------------------------------------------------
     def find(self, reader: TensorReader, prefix: str, heads: HeadCounts, causal: bool,
-             key_norm: bool = False) -> AttentionLayer:
+             config: dict) -> AttentionLayer:
+        layer = self._find(reader, prefix, heads, causal, self.keeps_key_projection(config))
+        rotary_dim = rotary_dim_of(config, layer.shape.head_dim) if self.rotates else 0
+        return replace(layer, shared_key=True, rotary_dim=rotary_dim)
+
+    def _find(self, reader: TensorReader, prefix: str, heads: HeadCounts, causal: bool,
+              key_norm: bool) -> AttentionLayer:
         query_bias = f"{prefix}.{self.query}.bias" in reader
         if not self.fused:
             # The same tensors and checks as separate query/key projections; only what the form replaces differs.
-            layer = SeparateProjections(self.query, self.key).find(reader, prefix, heads, causal)
+            layer = SeparateProjections(self.query, self.key).find(reader, prefix, heads, causal, {})
             key, bias = f"{prefix}.{self.key}.weight", f"{prefix}.{self.key}.bias"
             replaced = [] if key_norm else [key, *([bias] if bias in reader else [])]
             return replace(layer, anchor=key, replaced=replaced,
@@ -86,7 +95,7 @@ class SharedKeyProjections:
         shape = tuple(reversed(shape)) if self.conv1d else shape
         kv = heads.num_heads if self.interleaved else heads.kv_heads
         if len(shape) != 2 or shape[0] % (heads.num_heads + 2 * kv):
-            raise _split_error(name, shape, heads)
+            raise split_error(name, shape, heads)
         replaced = [name, *([bias] if bias in reader else [])]
         return AttentionLayer(
             prefix=prefix, shape=LayerShape(shape[1], heads.num_heads, shape[0] // (heads.num_heads + 2 * kv)),

@@ -99,7 +99,7 @@ def verify(model: str, against: str, texts: list[str], thresholds: dict[str, flo
     """Load both checkpoints on `device` and compare them on `texts`; list every threshold that fails."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    from ..architectures.families import within_positions
+    from ..architectures.lookup import within_positions
     from ..io.folders import resolve_model
     from .loading import for_measuring, load_tokenizer, register
 

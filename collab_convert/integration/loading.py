@@ -23,10 +23,10 @@ from transformers.quantizers.auto import (
 )
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..architectures.families import family_named
+from ..architectures.lookup import family_named
 from ..errors import BadInputError
 from ..format import QUANT_METHOD, FormatConfig
-from ..modeling.collaborative import collaborate_model
+from ..modeling.swap import collaborate_model
 
 
 class CollaborativeConfig(FormatConfig, QuantizationConfigMixin):

@@ -56,7 +56,7 @@ def calibration_tokenizer(folder: Path):
 
 def calibration_batches(folder: Path, texts: list[str], run: CalibrationRun) -> CalibrationBatches:
     """The texts as token batches, each cut where the model's position embeddings end."""
-    from ..architectures.families import within_positions
+    from ..architectures.lookup import within_positions
     from ..io.folders import read_config
 
     length = within_positions(read_config(folder), run.max_length)

@@ -19,8 +19,8 @@ import math
 import torch
 from torch import nn
 
-from ..format import ROTARY_FORM, HeadCounts
-from .attention import CollaborativeConfigView, register_attention_function
+from ..format import HeadCounts
+from .attention import CollaborativeConfigView
 
 
 def _padded(width: int, chunk: int) -> int:
@@ -72,16 +72,16 @@ class CollaborativeMixin:
         return _padded(self.mixing.shape[1] + self.content_bias.shape[0], self.collaborative_head_dim)
 
 
-_CLASS_CACHE: dict[tuple[type, str], type] = {}
+_CLASS_CACHE: dict[tuple[type, object], type] = {}
 
 
-def _collaborative_class(original: type, family) -> type:
+def _collaborative_class(original: type, offer) -> type:
     """A subclass of the original module class whose projections hand out the collaborative ones."""
-    cache_key = (original, family.name)
+    cache_key = (original, offer)
     if cache_key not in _CLASS_CACHE:
-        members = family.layout.members()
-        if family.forward:
-            members["forward"] = family.forward
+        members = offer.layout.members()
+        if offer.forward:
+            members["forward"] = offer.forward
         _CLASS_CACHE[cache_key] = type(
             f"Collaborative{original.__name__}",
             (CollaborativeMixin, original),
@@ -90,14 +90,18 @@ def _collaborative_class(original: type, family) -> type:
     return _CLASS_CACHE[cache_key]
 
 
-def make_collaborative(module: nn.Module, family, rank: int, heads, content_bias: bool = True) -> nn.Module:
-    """Turn one attention module into its collaborative form, in place, with uninitialised parameters.
+def make_collaborative(module: nn.Module, offer, entry: dict) -> nn.Module:
+    """Turn one attention module into its collaborative form, in place, with uninitialised parameters, from its
+    config.json record (rank, heads; "content_bias": false where the checkpoint stores none).
 
-    `family` brings the layout (which projections to take off) and the forward, if the module needs ours;
-    `heads` the query and key/value head counts; `content_bias` False where the checkpoint stores none (it
-    would be all zeros): the module then holds an empty one, and its packed key is the shared key alone.
+    `offer` (a family's CP form) brings the layout (which projections to take off) and the forward, if the module
+    needs ours. Without a content bias (it would be all zeros) the module holds an empty one, and its packed key is
+    the shared key alone.
     """
-    layout = family.layout
+    num_heads = int(entry["num_heads"])
+    heads = HeadCounts(num_heads, int(entry.get("kv_heads") or num_heads))
+    rank, content_bias = int(entry["rank"]), bool(entry.get("content_bias", True))
+    layout = offer.layout
     d_in, head_dim, weight = layout.module_dims(module, heads)
     factory = {"device": weight.device, "dtype": weight.dtype}
     layout.detach_projections(module, heads)
@@ -114,39 +118,10 @@ def make_collaborative(module: nn.Module, family, rank: int, heads, content_bias
     module._is_hf_initialized = True
     if hasattr(module, "config"):
         module.config = CollaborativeConfigView(module.config)
-    module.__class__ = _collaborative_class(type(module), family)
+    module.__class__ = _collaborative_class(type(module), offer)
     layout.finish(module, heads)
     return module
 
 
 def strip_prefix(name: str, prefix: str | None) -> str:
     return name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
-
-
-def collaborate_model(model: nn.Module, family, layers: dict[str, dict], base_prefix: str | None):
-    """Swap every attention module recorded in `layers` (checkpoint prefix -> its config.json record) for its
-    collaborative form: the CP form (rank, heads) or the rotary shared-key form (modeling/shared_key.py).
-
-    Checkpoint prefixes and module names may differ by the base-model prefix (a BertModel checkpoint loaded
-    into BertForSequenceClassification gains "bert."), so both sides are compared without it.
-    """
-    from .shared_key import make_shared_key
-
-    register_attention_function()
-    wanted = {strip_prefix(name, base_prefix): entry for name, entry in layers.items()}
-    converted = []
-    for name, module in list(model.named_modules()):
-        entry = wanted.get(strip_prefix(name, base_prefix))
-        if entry is None or getattr(module, "is_collaborative", False):
-            continue
-        if entry.get("form") == ROTARY_FORM:
-            make_shared_key(module, family, entry)
-        else:
-            num_heads = int(entry["num_heads"])
-            heads = HeadCounts(num_heads, int(entry.get("kv_heads") or num_heads))
-            make_collaborative(module, family, int(entry["rank"]), heads, bool(entry.get("content_bias", True)))
-        converted.append(name)
-    if len(converted) != len(wanted):
-        missing = sorted(set(wanted) - {strip_prefix(n, base_prefix) for n in converted})
-        raise ValueError(f"attention modules recorded in the checkpoint were not found in the model: {missing[:3]}")
-    return converted

@@ -170,28 +170,29 @@ def shared_key_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
     return output.transpose(1, 2), probabilities
 
 
-_CLASS_CACHE: dict[tuple[type, str], type] = {}
+_CLASS_CACHE: dict[tuple[type, object], type] = {}
 
 
-def _shared_key_class(original: type, family) -> type:
-    cache_key = (original, family.name)
+def _shared_key_class(original: type, offer) -> type:
+    cache_key = (original, offer)
     if cache_key not in _CLASS_CACHE:
         _CLASS_CACHE[cache_key] = type(
             f"SharedKey{original.__name__}", (SharedKeyMixin, original),
-            {"shared_key_layout": family.layout, "collaborative_origin": original, "__module__": __name__,
-             **({"forward": family.forward} if family.forward else {})},  # encoder-decoder families: their own
+            {"shared_key_layout": offer.layout, "collaborative_origin": original, "__module__": __name__,
+             **({"forward": offer.forward} if offer.forward else {})},  # encoder-decoder families: their own
         )
     return _CLASS_CACHE[cache_key]
 
 
-def make_shared_key(module: nn.Module, family, entry: dict) -> nn.Module:
-    """Turn one rotary attention module into its shared-key form, in place, from its config.json record."""
+def make_shared_key(module: nn.Module, offer, entry: dict) -> nn.Module:
+    """Turn one attention module into its shared-key form, in place, from its config.json record; `offer` (a
+    family's shared-key form) brings the layout and the forward, where the family needs its own."""
     heads = HeadCounts(int(entry["num_heads"]), int(entry["kv_heads"]))
     head_dim, rotary_dim = int(entry["head_dim"]), int(entry["rotary_dim"])
     frequency_ranks = [int(r) for r in entry["frequency_ranks"]]
     pass_rank, slots = int(entry.get("pass_rank", 0)), sum(frequency_ranks)
     width = 2 * slots + pass_rank
-    family.layout.detach_projections(module, heads, head_dim, width, bool(entry.get("key_norm")))
+    offer.layout.detach_projections(module, heads, head_dim, width, bool(entry.get("key_norm")))
     weight = next(module.parameters())
     factory = {"device": weight.device, "dtype": weight.dtype}
     module.query_core = nn.Parameter(torch.zeros(heads.num_heads, 2, slots, **factory))
@@ -200,5 +201,5 @@ def make_shared_key(module: nn.Module, family, entry: dict) -> nn.Module:
     module.shared_key_heads, module.rotary_dim, module.frequency_ranks = heads, rotary_dim, frequency_ranks
     module._slot_frequencies = {}
     module._is_hf_initialized = True
-    module.__class__ = _shared_key_class(type(module), family)
+    module.__class__ = _shared_key_class(type(module), offer)
     return module

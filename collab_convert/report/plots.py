@@ -61,7 +61,7 @@ def plot_errors(result: "CompressResult", path: Path) -> None:
     panel = Panel(f"Per-layer error at rank {result.layers[0].rank if result.layers else '-'}", "",
                   "relative error of head products",
                   categories=[labels[layer.name] for layer in result.layers])
-    panel.bars.append((result.method, [layer.relative_error for layer in result.layers], BLUE))
+    panel.bars.append((result.method or result.form, [layer.relative_error for layer in result.layers], BLUE))
     truncation = [layer.per_head_truncation_error for layer in result.layers]
     if not all(math.isnan(t) for t in truncation):
         panel.bars.append(("per-head truncation", truncation, LIGHT))

@@ -39,7 +39,7 @@ def markdown_report(result: "CompressResult") -> str:
         f"# Collaborative attention report: {result.model}",
         "",
         *summary_lines(result),
-        f"- method: {result.method} (collab-convert {result.tool_version}); family: {result.family}",
+        f"- {_how(result)} (collab-convert {result.tool_version}); family: {result.family}",
         f"- time: {result.seconds:.1f} s" + _stages(result.stage_seconds)
         + (f"; CPU threads: {result.threads['threads']} ({result.threads['why']})" if result.threads else ""),
     ]
@@ -94,6 +94,10 @@ def markdown_report(result: "CompressResult") -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _how(result: "CompressResult") -> str:
+    return f"method: {result.method}" if result.method else f"form: {result.form}"
 
 
 def _stages(seconds: dict[str, float] | None) -> str:

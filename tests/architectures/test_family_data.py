@@ -2,7 +2,7 @@
 
 import pytest
 
-from collab_convert.architectures.families import family_for
+from collab_convert.architectures.lookup import family_for
 from collab_convert.errors import UnsupportedModelError
 
 
@@ -12,7 +12,7 @@ def config(**fields):
 
 @pytest.mark.parametrize("model_type", ["bert", "roberta", "xlm-roberta", "electra"])
 def test_bert_family_is_recognised(model_type):
-    assert family_for(config(model_type=model_type)).name == "bert"
+    assert family_for(config(model_type=model_type))[0].name == "bert"
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,7 @@ def test_missing_model_type_is_refused():
 
 
 def test_inputs_are_cut_where_the_position_embeddings_end():
-    from collab_convert.architectures.families import position_limit
+    from collab_convert.architectures.lookup import position_limit
 
     assert position_limit({"model_type": "bert", "max_position_embeddings": 512}) == 512
     # RoBERTa's positions start after the padding index: 514 embeddings hold 512 tokens
@@ -43,7 +43,7 @@ def test_inputs_are_cut_where_the_position_embeddings_end():
     assert position_limit({"model_type": "gpt2", "n_positions": 1024}) == 1024
     assert position_limit({"model_type": "t5"}) is None  # relative positions: no limit stated
 
-    from collab_convert.architectures.families import within_positions
+    from collab_convert.architectures.lookup import within_positions
 
     assert within_positions({"model_type": "bert", "max_position_embeddings": 64}, 128) == 64
     assert within_positions({"model_type": "bert", "max_position_embeddings": 512}, 128) == 128

@@ -79,7 +79,7 @@ def test_the_checkpoint_records_the_form_and_how_the_budget_splits(tmp_path):
     layers = config["quantization_config"]["layers"]
     assert len(layers) == 2
     for entry in layers.values():
-        assert entry["form"] == "rotary-shared-key"
+        assert entry["form"] == "shared-key"
         assert entry["kv_heads"] == 2 and entry["num_heads"] == 4 and entry["rotary_dim"] == 16
         assert entry["rank"] == 2 * sum(entry["frequency_ranks"]) + entry["pass_rank"]
         assert len(entry["frequency_ranks"]) == 8 and max(entry["frequency_ranks"]) <= 2

@@ -40,7 +40,7 @@ def run(capsys, *arguments):
 def test_full_key_cache_is_exact_and_generates_identically(name, tmp_path):
     original = build_family(family_case(name), tmp_path / "in")
     result = compress(str(tmp_path / "in"), CompressOptions(form="shared-key", key_cache=1.0, output=tmp_path / "out"))
-    assert result.family == f"{name}-shared-key"
+    assert (result.family, result.form) == (name, "shared-key")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == original.config.architectures and config["model_type"] == original.config.model_type
     shared = load_model(tmp_path / "out").eval()
@@ -62,7 +62,7 @@ def test_full_key_cache_is_exact_and_generates_identically(name, tmp_path):
 def test_half_key_cache_caches_exactly_the_shared_key(name, tmp_path):
     original = build_family(family_case(name), tmp_path / "in")
     result = compress(str(tmp_path / "in"), CompressOptions(key_cache=0.5, output=tmp_path / "out"))  # form: auto
-    assert result.family == f"{name}-shared-key"
+    assert (result.family, result.form) == (name, "shared-key")
     shared = load_model(tmp_path / "out").eval()
     ids = prompt(batch=1)
     with torch.no_grad():
@@ -94,7 +94,7 @@ def test_encoder_decoders_are_exact_at_the_full_key_cache_and_cache_the_shared_k
     for share in (1.0, 0.5):
         out = tmp_path / f"out-{share}"
         result = compress(str(tmp_path / "in"), CompressOptions(form="shared-key", key_cache=share, output=out))
-        assert result.family == f"{name}-shared-key"
+        assert (result.family, result.form) == (name, "shared-key")
         shared = load_model(out).eval()
         batch = seq2seq_batch()
         with torch.no_grad():
@@ -193,7 +193,7 @@ def test_analyze_in_the_shared_key_form_costs_key_cache_budgets(tmp_path, capsys
     code, out, _ = run(capsys, "analyze", tmp_path / "in", "--form", "shared-key", "--json")
     assert code == 0
     result = json.loads(out)
-    assert result["family"] == "opt-shared-key"
+    assert (result["family"], result["form"]) == ("opt", "shared-key")
     assert all(layer["frequency_spectra"] == [] for layer in result["layers"])  # nothing rotates
     caches = [p["key_cache_per_token"] for p in result["predictions"]]
     assert caches[0] == 2 * 32 and caches == sorted(caches, reverse=True)

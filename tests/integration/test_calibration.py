@@ -163,7 +163,7 @@ def test_gpt2_refines_with_its_own_per_layer_scaling(tmp_path, calibration_file)
     source = open_model(str(folder))
     try:
         prefixes = [layer.prefix for layer in source.layers]
-        statistics, _ = collect_statistics(source.folder, source.family.layout, source.family.position_bias, prefixes, ["the cat sat on a mat"] * 4)
+        statistics, _ = collect_statistics(source.folder, source.layout, source.family.position_bias, prefixes, ["the cat sat on a mat"] * 4)
     finally:
         source.close()
     head_dim = 32 // 4

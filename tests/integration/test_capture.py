@@ -15,7 +15,7 @@ def _statistics(folder, texts, **kwargs):
     source = open_model(str(folder))
     try:
         prefixes = [layer.prefix for layer in source.layers]
-        return collect_statistics(source.folder, source.family.layout, source.family.position_bias, prefixes, texts, keep_samples=4, **kwargs)
+        return collect_statistics(source.folder, source.layout, source.family.position_bias, prefixes, texts, keep_samples=4, **kwargs)
     finally:
         source.close()
 

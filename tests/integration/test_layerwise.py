@@ -18,7 +18,7 @@ def _statistics(folder, scratch=None):
     source = open_model(str(folder))
     try:
         prefixes = [layer.prefix for layer in source.layers]
-        return collect_statistics(source.folder, source.family.layout, source.family.position_bias, prefixes, SENTENCES[:12], max_length=24,
+        return collect_statistics(source.folder, source.layout, source.family.position_bias, prefixes, SENTENCES[:12], max_length=24,
                                   keep_samples=3, scratch=scratch)[0]
     finally:
         source.close()
@@ -132,7 +132,7 @@ def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, mon
     try:
         layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads), layer.causal)
                   for layer in source.layers}
-        runs = [collect_shared_key_statistics(source.folder, source.family.layout, source.family.position_bias, layers, SENTENCES[:10], max_length=40,
+        runs = [collect_shared_key_statistics(source.folder, source.layout, source.family.position_bias, layers, SENTENCES[:10], max_length=40,
                                           keep_samples=3, scratch=scratch)[0]
                 for scratch in (None, tmp_path / "scratch")]
     finally:

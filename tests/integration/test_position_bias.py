@@ -42,7 +42,7 @@ def test_refinement_target_is_the_models_own_attention(tmp_path, monkeypatch, fa
     source = open_model(str(tmp_path / family))
     try:
         layer = next(layer for layer in source.layers if layer.prefix.endswith(module))
-        statistics, _ = collect_statistics(source.folder, source.family.layout, source.family.position_bias, [layer.prefix for layer in source.layers],
+        statistics, _ = collect_statistics(source.folder, source.layout, source.family.position_bias, [layer.prefix for layer in source.layers],
                                            [TEXT], max_length=64, keep_samples=1, scratch=tmp_path / "scratch")
         projections = source.read_projections(layer)
     finally:

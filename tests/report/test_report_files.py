@@ -15,7 +15,7 @@ def a_result() -> CompressResult:
         initialisation="per-head truncation", iterations=7, parameters_before=before.parameters,
         parameters_after=after.parameters, seconds=0.1, cost_before=before.as_dict(), cost_after=after.as_dict(),
     )
-    return CompressResult(model="acme/tiny", output="/tmp/out", family="bert", method="tucker-cp-als",
+    return CompressResult(model="acme/tiny", output="/tmp/out", family="bert", form="collaborative", method="tucker-cp-als",
                           layers=[layer], files=[], seconds=1.0)
 
 
