@@ -176,7 +176,9 @@ def main() -> int:
         run(version.resolve(), case_file, work / label)
     report = compare(work / "old", work / "new")
     identical = [name for name, found in report.items() if not found]
-    print(f"\n{len(identical)} of {len(report)} files identical (weights and plots byte for byte; reports without "
+    weights = [name for name in report if name.endswith(".safetensors")]
+    print(f"\nweights: {sum(not report[name] for name in weights)} of {len(weights)} safetensors files byte-identical")
+    print(f"{len(identical)} of {len(report)} files identical (weights and plots byte for byte; reports without "
           "seconds)")
     for name, found in report.items():
         for difference in found:

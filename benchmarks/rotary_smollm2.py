@@ -63,13 +63,15 @@ def plain_pca(folder: Path, budget: float, out: Path) -> None:
     from collab_convert.decompose.shared_key import KeyRanks
     from collab_convert.options import CompressOptions
     from collab_convert.io.folders import StagedOutput, copy_non_weight_files
-    from collab_convert import rotary_stages
+    from collab_convert.forms.shared_key import FORM
+    from collab_convert.forms.shared_key.fitting import convert_weights
+    from collab_convert.forms.shared_key.statistics import weight_statistics
 
     source = open_model(str(folder))
     options = CompressOptions(key_cache=budget, output=out)
     statistics = {}
     for layer in source.layers:
-        found = rotary_stages.weight_statistics(source, layer)
+        found = weight_statistics(source, layer)
         found.query_energy = torch.ones_like(found.query_energy)
         statistics[layer.prefix] = found
     ranks = {}
@@ -80,10 +82,9 @@ def plain_pca(folder: Path, budget: float, out: Path) -> None:
         ranks[layer.prefix] = KeyRanks(tuple((j + 1) * slots // frequencies - j * slots // frequencies
                                              for j in range(frequencies)), 0)
     with StagedOutput(out) as staged:
-        reports, _ = rotary_stages.convert_rotary_weights(source, options, staged.folder, lambda *a: None, ranks,
-                                                          statistics)
+        reports, _ = convert_weights(source, options, staged.folder, lambda *a: None, ranks, statistics)
         copy_non_weight_files(source.folder, staged.folder)
-        rotary_stages.write_rotary_config(source, reports, staged.folder, "plain-pca")
+        FORM.write_record(source, reports, staged.folder, options, None)
         staged.commit()
     source.close()
 

@@ -1,11 +1,11 @@
-"""compress(): re-parametrize every attention layer into collaborative form and write a complete checkpoint.
+"""compress(): re-parametrize every attention layer into the form asked for and write a complete checkpoint.
 
-This module only sequences the stages (stages.py); each stage's knowledge lives elsewhere:
+This module only sequences the stages; each stage's knowledge lives elsewhere, the form's in its form (forms/):
 
-    open the source (architectures/)  ->  check the plan  ->  calibrate (integration/capture.py)
-    ->  choose ranks (fixed, energy, or a fidelity target: predict.py)  ->  fit each layer (decompose/methods.py)
-    ->  stream tensors out (io/writer.py)  ->  config (format.py), reports and card (report/)
-    ->  swap the staged output into place (io/folders.py)
+    open the source (architectures/)  ->  the plan: common checks (stages.py) and the form's  ->  calibration
+    texts  ->  the form's statistics  ->  its sizes per layer  ->  each layer fitted by the form as the tensors
+    stream out (streaming.py)  ->  the form's config record  ->  distillation, fidelity, timing  ->  reports and
+    card (report/)  ->  the staged output swapped into place (io/folders.py)
 """
 
 from __future__ import annotations
@@ -17,42 +17,32 @@ from typing import Any
 import torch
 
 from .architectures.source import SourceModel, open_model
+from .forms import Form, FormPlan, form_named
 from .io.folders import StagedOutput, copy_non_weight_files
 from .options import CompressOptions
 from .progress import Progress, StageClock, no_progress
 from .results import CompressPlan, CompressResult
-from .stages import (
-    FinishedLayers,
-    calibrate,
-    calibration_texts,
-    check_plan,
-    convert_weights,
-    distill_checkpoint,
-    within_positions,
-    energy_ranks,
-    write_format_config,
-)
+from .resume import FinishedLayers
+from .stages import calibration_texts, check_plan, distill_checkpoint, within_positions
 
 
 def plan(model: str, options: CompressOptions) -> CompressPlan:
-    """Check the model, the ranks and the output location; decompose nothing, write nothing."""
+    """Check the model, the sizes and the output location; decompose nothing, write nothing."""
     source = open_model(model, options.requested_form)
     try:
-        return _check(source, options)
+        return _check(source, options)[0]
     finally:
         source.close()
 
 
-def _check(source: SourceModel, options: CompressOptions, ranks: dict[str, int] | None = None) -> CompressPlan:
-    if (source.form == "shared-key"):
-        from .rotary_stages import layer_width, plan_layers
-
-        return check_plan(source, options, layers=plan_layers(source, layer_width(source, options)))
-    return check_plan(source, options, ranks)
+def _check(source: SourceModel, options: CompressOptions) -> tuple[CompressPlan, Form, FormPlan]:
+    form = form_named(source.form)
+    form_plan = form.plan(source, options)
+    return check_plan(source, options, form_plan), form, form_plan
 
 
 def compress(model: str, options: CompressOptions, progress: Progress = no_progress) -> CompressResult:
-    """Re-parametrize every attention layer into collaborative form and write a complete checkpoint."""
+    """Re-parametrize every attention layer into the form asked for and write a complete checkpoint."""
     from .cpu import math_threads, return_freed_memory
     from .integration import loading  # noqa: F401 - transformers' lazy imports land here, before the clock starts
 
@@ -69,49 +59,33 @@ def _compress(model: str, options: CompressOptions, progress: Progress, threads:
     source = open_model(model, options.requested_form)
     progress("opening the model", 1, 1)
     try:
-        output = Path(_check(source, options).output)  # refuse bad input before the costly calibration
-        with StagedOutput(output, options.overwrite, options.resume) as staged:
-            result = _stages(source, model, options, progress, staged, threads, started)
+        checked, form, form_plan = _check(source, options)  # refuse bad input before the costly calibration
+        with StagedOutput(Path(checked.output), options.overwrite, options.resume) as staged:
+            result = _stages(source, form, form_plan, options, progress, staged, threads, started)
     finally:
         source.close()
     return result
 
 
-def _stages(source: SourceModel, model: str, options: CompressOptions, progress: StageClock, staged: StagedOutput,
-            threads: dict[str, Any], started: float) -> CompressResult:
+def _stages(source: SourceModel, form: Form, form_plan: FormPlan, options: CompressOptions, progress: StageClock,
+            staged: StagedOutput, threads: dict[str, Any], started: float) -> CompressResult:
     """Everything after the checks, inside the staging folder (its scratch space holds what a block-at-a-time
     calibration keeps on disk)."""
-    metrics, calibration, held_out, fitted = None, None, None, None
-    shared = source.form == "shared-key"
     options = within_positions(source, options)
-    if options.calibration is not None:
-        fitted, held_out = calibration_texts(options)
-        if not (source.form == "shared-key"):
-            metrics, calibration = calibrate(source, options, fitted, progress, scratch=staged.scratch)
-    ranks = None
-    if (source.form == "shared-key"):
-        convert, write_record, calibration, rank_choice = _rotary(source, options, fitted, progress, staged.scratch)
-        estimator = _estimator(source, options, None, held_out)
-    else:
-        estimator = _estimator(source, options, metrics, held_out)
-        ranks, rank_choice = choose_ranks(source, options, metrics, estimator, progress)
-
-        def convert(folder, finished):
-            return convert_weights(source, options, folder, progress, ranks, metrics, finished)
-
-        def write_record(reports, folder, method):
-            write_format_config(source, reports, folder, method, calibrated=metrics is not None)
-    _check(source, options, ranks)
-    reports, files = convert(staged.folder, FinishedLayers(staged.finished_work))
+    fitted, held_out = calibration_texts(options) if options.calibration is not None else (None, None)
+    statistics = form.statistics(source, options, fitted, progress, staged.scratch)
+    estimator = form.estimator(source, options, statistics, held_out)
+    sizes, size_choice = form.sizes(source, options, form_plan, statistics, estimator, progress)
+    finished = FinishedLayers(staged.finished_work, form.report_type)
+    reports, files = form.convert(source, options, sizes, statistics, staged.folder, progress, finished)
     staged.drop_scratch()
     files += copy_non_weight_files(source.folder, staged.folder)
     result = CompressResult(
-        model=model, output=str(staged.output), family=source.family.name, form=source.form,
-        method=None if shared else options.method,
-        layers=reports, files=[], seconds=0.0, calibration=calibration, rank_choice=rank_choice,
-        threads=threads,
+        model=source.source, output=str(staged.output), family=source.family.name, form=form.name,
+        method=form_plan.method, layers=reports, files=[], seconds=0.0, calibration=statistics.calibration,
+        rank_choice=size_choice, threads=threads,
     )
-    write_record(reports, staged.folder, None if shared else result.method + ("+calibrated" if calibration else ""))
+    form.write_record(source, reports, staged.folder, options, statistics)
     if options.distill_steps:  # checked with the plan: calibration texts and a language model are there
         result.distillation = distill_checkpoint(source, staged.folder, fitted, options, progress)
     if held_out is not None and estimator is not None:  # calibration lends lines to measure the result on
@@ -121,7 +95,7 @@ def _stages(source: SourceModel, model: str, options: CompressOptions, progress:
     if options.timing:
         result.runtime = _timed(source, staged.folder, progress)
     progress("writing reports and plots", 0, 1)
-    files += ["config.json"] + _write_reports(result, source, staged.folder, started, options.plots, progress)
+    files += ["config.json"] + _write_reports(result, form, source, staged.folder, started, options.plots, progress)
     progress("writing reports and plots", 1, 1)
     result.files = sorted(files)
     staged.commit()
@@ -146,80 +120,7 @@ def _timed(source: SourceModel, folder: Path, progress: Progress) -> dict:
     return timed
 
 
-def _rotary(source: SourceModel, options: CompressOptions, texts: list[str] | None, progress: Progress,
-            scratch: Path | None = None):
-    """The shared rotary key's stages (rotary_stages.py): statistics, one budget over layers and frequencies,
-    then how to write the layers and the record."""
-    from .rotary_stages import (
-        allocate_ranks,
-        calibrated_statistics,
-        convert_rotary_weights,
-        layer_width,
-        model_weight_statistics,
-        write_rotary_config,
-    )
-
-    width = layer_width(source, options)
-    calibration, calibrations = None, None
-    if texts is not None:
-        statistics, calibrations, calibration = calibrated_statistics(source, options, texts, progress, scratch)
-    else:
-        statistics = model_weight_statistics(source, scratch)
-    ranks = allocate_ranks(source, statistics, width)
-    choice = {"mode": "key-cache budget", "numbers_per_token_and_layer": width,
-              "share_of_key_cache": round(width / max(layer.full_rank for layer in source.layers), 4),
-              "spread": f"over layers{'' if (not source.layout.rotates) else ' and rotary frequencies'}, "
-                        "where the most score energy stays"}
-
-    def convert(folder: Path, finished):
-        return convert_rotary_weights(source, options, folder, progress, ranks, statistics, calibrations, finished)
-
-    def write_record(reports, folder: Path, method: str) -> None:
-        write_rotary_config(source, reports, folder, method)
-
-    return convert, write_record, calibration, choice
-
-
-def _estimator(source: SourceModel, options: CompressOptions, metrics, held_out):
-    """The one fidelity estimator a run needs, built only if something will be measured: the rank search of
-    `--rank auto`, or the finished checkpoint on held-out calibration lines. None for models that cannot be run
-    on text."""
-    from .predict import FidelityEstimator, can_measure, default_probe
-
-    searches = options.rank == "auto" and options.energy is None
-    if not can_measure(source) or not (searches or held_out is not None):
-        return None
-    # Estimates skip refinement: the final compression refines, which only lowers the error.
-    settings = options.model_copy(update={"refine_steps": 0})
-    return FidelityEstimator(source, settings, held_out or default_probe(), metrics)
-
-
-def choose_ranks(source: SourceModel, options: CompressOptions, metrics, estimator,
-                 progress: Progress) -> tuple[dict[str, int], dict[str, Any] | None]:
-    """One rank per layer, and how it was chosen (for the report).
-
-    A fixed rank is taken as given. `--rank auto` aims at a fidelity target (`--target-cosine`, default 0.99):
-    the smallest rank whose measured embedding cosine on probe texts reaches it. It falls back to an energy
-    share of the head products where the model cannot be run on text, or where `--energy` was asked for.
-    """
-    if options.rank != "auto":
-        return {layer.prefix: options.rank for layer in source.layers}, None
-    from .predict import DEFAULT_TARGET_COSINE
-
-    if options.energy is not None or estimator is None:
-        share = options.energy if options.energy is not None else 0.95
-        reason = "asked for" if options.energy is not None else "the model cannot be run on text to measure fidelity"
-        return energy_ranks(source, options.model_copy(update={"energy": share}), metrics), {
-            "mode": "energy", "energy": share, "why": reason,
-        }
-    target = options.target_cosine or DEFAULT_TARGET_COSINE
-    estimate = estimator.smallest_rank(target, progress)
-    choice = {"mode": "fidelity target", "target_cosine": target, "probe": estimator.probe.description,
-              "estimated_cosine_mean": estimate.cosine_mean, "estimated_cosine_p01": estimate.cosine_p01}
-    return {layer.prefix: min(estimate.rank, layer.shape.key_dim) for layer in source.layers}, choice
-
-
-def _write_reports(result: CompressResult, source: SourceModel, folder: Path, started: float,
+def _write_reports(result: CompressResult, form: Form, source: SourceModel, folder: Path, started: float,
                    plots: bool, clock: StageClock) -> list[str]:
     from .report.card import CardSource, write_model_card
     from .report.reports import write_reports
@@ -228,8 +129,8 @@ def _write_reports(result: CompressResult, source: SourceModel, folder: Path, st
     if plots:
         from .report.plots import write_plots
 
-        files = write_plots(result, folder)
+        files = write_plots(result, form, folder)
     result.seconds = time.perf_counter() - started
     result.stage_seconds = clock.stop()  # the reports themselves take milliseconds: not counted
     card = CardSource.of(result.model, source.folder, source.config)
-    return files + write_reports(result, folder) + write_model_card(result, card, folder)
+    return files + write_reports(result, form, folder) + write_model_card(result, form, card, folder)

@@ -208,3 +208,32 @@ class ExportOptions(BaseModel):
     overwrite: bool = Field(False, description="Replace OUTPUT if it exists and is not empty.")
     # onnxruntime against PyTorch on the built-in sentences; a larger difference is an error, never a silent file
     tolerance: float = Field(1e-4, gt=0, description="Largest absolute difference from PyTorch accepted.")
+
+
+class VerifyOptions(BaseModel):
+    """What `verify` measures a compressed checkpoint on, against which base, and the thresholds it gates on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    against: str = Field(description="The base model it came from.")
+    texts: Path = Field(description="Text file (one example per line) or folder of .txt files.")
+    samples: int = Field(1000, ge=1, description="Examples to read at most.")
+    min_cosine: float | None = Field(None, description="Exit 1 if the mean cosine of final hidden states is below "
+                                     "this.")
+    min_cosine_p01: float | None = Field(None, description="Exit 1 if the 1st-percentile cosine is below this.")
+    min_top1: float | None = Field(None, description="Language models: exit 1 if next-token top-1 agreement is "
+                                   "below this.")
+    max_kl: float | None = Field(None, description="Language models: exit 1 if the mean next-token KL exceeds this.")
+    device: str = Field("cpu", description="Run both models on cpu or cuda[:N].")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if misnamed_device(value):
+            raise ValueError(misnamed_device(value))
+        return value
+
+    @property
+    def thresholds(self) -> dict[str, float | None]:
+        return {"min_cosine": self.min_cosine, "min_cosine_p01": self.min_cosine_p01, "min_top1": self.min_top1,
+                "max_kl": self.max_kl}

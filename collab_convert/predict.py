@@ -1,23 +1,24 @@
 """What a rank will give, measured before the user commits to it: the embedding cosine of the compressed model
 to the original on a few texts.
 
-For each rank asked about, the stages of a real compression (stages.py) write a scratch checkpoint, which is
-loaded the way a user loads it (transformers + our quantizer) and compared with the original on the probe
-texts: the number is what `verify` would print for that checkpoint on those texts. Calibration statistics are
-collected once; the refinement is left out (it only ever improves the fit), so an estimate errs on the
-cautious side.
+For each rank asked about, the form writes a scratch checkpoint as a real compression would (`write`, handed in
+by the form), which is loaded the way a user loads it (transformers + our quantizer) and compared with the
+original on the probe texts: the number is what `verify` would print for that checkpoint on those texts. The
+form's statistics are collected once; the refinement is left out (it only ever improves the fit), so an estimate
+errs on the cautious side. Any form's finished checkpoint is measured the same way (measured).
 """
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .architectures.source import SourceModel
 from .options import CompressOptions
 from .progress import Progress, no_progress
-from .stages import ProbeTexts, convert_weights, write_format_config
+from .stages import ProbeTexts
 
 DEFAULT_TARGET_COSINE = 0.99
 PROBE_FILE = Path(__file__).parent / "data" / "probe_sentences.txt"
@@ -46,13 +47,16 @@ class FidelityEstimator:
     loaded in float32 with their blocks offloaded to disk (one block in memory as it runs), so measuring a model
     does not hold it, or two of it, in memory."""
 
-    def __init__(self, source: SourceModel, options: CompressOptions, probe: ProbeTexts, metrics=None):
+    def __init__(self, source: SourceModel, options: CompressOptions, probe: ProbeTexts,
+                 write: Callable[[Path, dict[str, int], Progress], None] | None = None):
+        """`write(folder, ranks, progress)` writes a checkpoint at these ranks (by layer) into an empty folder,
+        where ranks are searched."""
         from .integration.batches import batch_tokens
         from .integration.fidelity import sentence_embeddings
         from .integration.layerwise import load_offloaded
         from .integration.loading import load_tokenizer
 
-        self.source, self.options, self.probe, self.metrics = source, options, probe, metrics
+        self.source, self.options, self.probe, self.write = source, options, probe, write
         self.tokenizer = load_tokenizer(source.folder, "a fidelity estimate")
         # as many texts per forward pass as keep a block's activations small (calibration's batch size)
         self.batch_size = max(1, batch_tokens(source.width) // options.calibration_max_length)
@@ -70,8 +74,7 @@ class FidelityEstimator:
         ranks = {layer.prefix: min(rank, layer.shape.key_dim) for layer in self.source.layers}
         with tempfile.TemporaryDirectory(prefix="collab-estimate-") as scratch:
             folder = Path(scratch)
-            reports, _ = convert_weights(self.source, self.options, folder, progress, ranks, self.metrics)
-            write_format_config(self.source, reports, folder, self.options.method)
+            self.write(folder, ranks, progress)
             cosine_mean, cosine_p01 = self.cosines(folder)
         return Estimate(rank, cosine_mean, cosine_p01)
 

@@ -35,6 +35,15 @@ def _as_label(parts: list[str]) -> str:
     return f"layer {text}" if text.replace(".", "").isdigit() else text
 
 
+@dataclass
+class Table:
+    """A table for a renderer (the terminal, report.md): a title, column headers, and rows of cells."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+
+
 class _Data:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -42,6 +51,8 @@ class _Data:
 
 @dataclass
 class LayerAnalysis(_Data):
+    """One layer as analyze sees it in the CP form; the shared-key form's adds its frequencies."""
+
     name: str
     input_dim: int
     num_heads: int
@@ -52,10 +63,14 @@ class LayerAnalysis(_Data):
     # per candidate rank: its costs, and what a fit at that rank gives (relative error of the head products;
     # with calibration, the share of logit energy lost on the calibration inputs)
     candidates: list[dict[str, Any]]
-    # rotary layers: per RoPE frequency (fastest first), the score energy each shared key direction carries,
-    # as shares of the layer's total
-    frequency_spectra: list[list[float]] | None = None
-    kv_heads: int | None = None
+
+
+@dataclass(kw_only=True)
+class SharedKeyLayerAnalysis(LayerAnalysis):
+    kv_heads: int
+    # per RoPE frequency (fastest first), the score energy each shared key direction carries, as shares of the
+    # layer's total (none where nothing rotates)
+    frequency_spectra: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -89,30 +104,49 @@ class AnalysisResult(_Data):
 
 @dataclass
 class LayerReport(_Data):
+    """What every form reports of one compressed layer."""
+
     name: str
-    rank: int
+    rank: int  # the CP form's shared dimension R; the shared-key form's cached numbers per token
     num_heads: int
     head_dim: int
     input_dim: int
+    # the CP form: relative error of the head products; the shared-key form: share of score energy lost
     relative_error: float
     # with calibration: the share of logit energy on the calibration inputs that the fit loses
     logit_error: float | None
     # with refinement: mean KL of the heads' attention to the original's, before and after
     refinement: dict[str, Any] | None
-    per_head_truncation_error: float
-    initialisation: str
-    iterations: int
     parameters_before: int
     parameters_after: int
     seconds: float
     cost_before: dict[str, Any] = field(default_factory=dict)
     cost_after: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class CollaborativeLayerReport(LayerReport):
+    """A layer in the CP form: how the fit went, and the spectra of its head products."""
+
+    per_head_truncation_error: float
+    initialisation: str
+    iterations: int
     # singular values of the query- and key-side unfoldings, for the spectra plot
     query_spectrum: list[float] = field(default_factory=list)
     key_spectrum: list[float] = field(default_factory=list)
-    # rotary layers: complex shared dimensions per RoPE frequency, real ones for pass-through dimensions
-    frequency_ranks: list[int] | None = None
-    pass_rank: int | None = None
+
+
+@dataclass(kw_only=True)
+class SharedKeyLayerReport(LayerReport):
+    """A layer in the shared-key form: how its shared key splits over RoPE frequencies."""
+
+    kv_heads: int
+    initialisation: str
+    # complex shared dimensions per RoPE frequency (fastest first; none where nothing rotates), and real ones for
+    # pass-through dimensions
+    frequency_ranks: list[int] = field(default_factory=list)
+    pass_rank: int = 0
+    key_spectrum: list[float] = field(default_factory=list)  # the kept shared key's per-slot scale, largest first
 
 
 @dataclass
@@ -126,7 +160,7 @@ class CompressResult(_Data):
     files: list[str]
     seconds: float
     tool_version: str = __version__
-    schema_version: int = 1
+    schema_version: int = 2  # 2: layer reports carry their form's fields only, and the result its form
     calibration: dict[str, Any] | None = None  # what the calibrated fit saw: source and number of examples
     rank_choice: dict[str, Any] | None = None  # with --rank auto: how the ranks were chosen, and the estimate
     # measured on text the fit did not see (with calibration): cosine mean / 1st percentile, next-token agreement
@@ -173,6 +207,7 @@ class CompressPlan(_Data):
     layers: list[dict[str, Any]]
     parameters_before: int
     parameters_after: int
+    size: str = ""  # what the form keeps, in words: "rank 96", "50% of the key cache (...)"
 
 
 @dataclass

@@ -48,7 +48,7 @@ def test_importing_the_package_registers_with_transformers_when_it_loads():
 
 def test_analyze_fits_80_columns_without_cutting_numbers(tiny_bert, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
-    import collab_convert.cli as cli
+    import collab_convert.cli.render as cli
     from rich.console import Console
 
     monkeypatch.setattr(cli, "stdout", Console(soft_wrap=True, width=80))
@@ -120,7 +120,7 @@ def test_the_readmes_first_command_writes_where_git_ignores_it():
 
 @pytest.mark.slow
 def test_analyze_of_minilm_fits_80_columns(monkeypatch):
-    import collab_convert.cli as cli
+    import collab_convert.cli.render as cli
     from rich.console import Console
 
     monkeypatch.setattr(cli, "stdout", Console(soft_wrap=True, width=80))

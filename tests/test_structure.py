@@ -19,9 +19,12 @@ LAYERS = {
     "modeling": 3,
     "architectures": 4,
     "integration": 5, "report": 5,
-    "stages": 6, "rotary_stages": 7, "predict": 7,
-    "analysis": 8, "compression": 8, "exporting": 8,
-    "cli": 9, "__init__": 9, "__main__": 10,
+    "stages": 6, "resume": 6,
+    "streaming": 7,
+    "predict": 7,
+    "forms": 8,
+    "analysis": 9, "compression": 9, "exporting": 9,
+    "cli": 10, "__init__": 10, "__main__": 11,
 }
 
 

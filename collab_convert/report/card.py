@@ -29,7 +29,8 @@ class CardSource:
         return cls(_base_model_id(model, config), front, front.get("license") or config.get("license"))
 
 
-def write_model_card(result: "CompressResult", source: CardSource, folder: Path) -> list[str]:
+def write_model_card(result: "CompressResult", form, source: CardSource, folder: Path) -> list[str]:
+    """README.md; `form` (forms/, the result's form) says what every layer became."""
     original = source.front_matter
     front = {
         "base_model": source.base_model,
@@ -52,12 +53,10 @@ def write_model_card(result: "CompressResult", source: CardSource, folder: Path)
         "",
         f"# {source.base_model or result.model} with collaborative attention",
         "",
-        f"Every attention layer of `{result.model}` was re-parametrized into collaborative multi-head attention "
-        "(Cordonnier, Loukas and Jaggi, 2020) by collab-convert "
-        f"{result.tool_version}: heads share one query and one key projection and each head keeps a mixing "
-        "vector.",
+        f"Every attention layer of `{result.model}` was {form.what_it_does()[0]} by collab-convert "
+        f"{result.tool_version}: {form.what_it_does()[1]}.",
         "",
-        *summary_lines(result),
+        *summary_lines(result, form),
         "",
         "Load it after `import collab_convert` with the usual Auto classes, or with `collab_convert.load_model`.",
         "Details per layer are in report.md.",

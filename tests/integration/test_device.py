@@ -132,8 +132,8 @@ def test_a_calibrated_analysis_runs_on_the_device_it_is_given(tmp_path, monkeypa
     from collab_convert import analysis
 
     # analyze checks its settings as compress's options, which refuse the stand-in's name (see above)
-    settings = analysis._fit_settings
-    monkeypatch.setattr(analysis, "_fit_settings", lambda options: settings(
+    settings = analysis.fit_settings
+    monkeypatch.setattr(analysis, "fit_settings", lambda options: settings(
         options.model_copy(update={"device": "cpu"})).model_copy(update={"device": options.device}))
     build_family(family_case("bert"), tmp_path / "in")
     save_tiny_tokenizer(tmp_path / "in")

@@ -118,7 +118,7 @@ def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, mon
     none for GPT-2's absolute positions) gives the same statistics and samples when the model runs a block at a
     time."""
     from collab_convert.integration.shared_key_capture import collect_shared_key_statistics
-    from collab_convert.rotary_stages import geometry_of
+    from collab_convert.forms.shared_key.statistics import geometry_of
     from collab_convert.format import HeadCounts
     from fixtures.models import ROTARY_CASES, build_rotary
 

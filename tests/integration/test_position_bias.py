@@ -8,7 +8,7 @@ from collab_convert.architectures.source import open_model
 from collab_convert.decompose.refinement import _original_attention
 from collab_convert.integration import model_runs
 from collab_convert.integration.capture import collect_statistics
-from collab_convert.stages import score_scale
+from collab_convert.forms.collaborative.fitting import score_scale
 
 from fixtures import SENTENCES
 from fixtures.models import CharacterTokenizer, build_family, family_case

@@ -1,26 +1,50 @@
 """Reports and the model card are written from result objects and metadata, never a loaded model."""
 
+from collab_convert.decompose.costs import (
+    LayerShape,
+    SharedKeyShape,
+    collaborative_cost,
+    original_cost,
+    original_grouped_cost,
+    shared_key_cost,
+)
+from collab_convert.forms import form_named
 from collab_convert.report.card import CardSource, write_model_card
 from collab_convert.report.reports import markdown_report, write_reports
-from collab_convert.results import CompressResult, LayerReport
-from collab_convert.decompose.costs import LayerShape, collaborative_cost, original_cost
+from collab_convert.results import CollaborativeLayerReport, CompressResult, SharedKeyLayerReport
+
+CP = form_named("collaborative")
 
 
 def a_result() -> CompressResult:
     shape = LayerShape(input_dim=48, num_heads=4, head_dim=12)
     before, after = original_cost(shape), collaborative_cost(shape, 16)
-    layer = LayerReport(
+    layer = CollaborativeLayerReport(
         name="encoder.layer.0.attention.self", rank=16, num_heads=4, head_dim=12, input_dim=48,
         relative_error=0.25, logit_error=None, refinement=None, per_head_truncation_error=0.5,
         initialisation="per-head truncation", iterations=7, parameters_before=before.parameters,
         parameters_after=after.parameters, seconds=0.1, cost_before=before.as_dict(), cost_after=after.as_dict(),
     )
-    return CompressResult(model="acme/tiny", output="/tmp/out", family="bert", form="collaborative", method="tucker-cp-als",
+    return CompressResult(model="acme/tiny", output="/tmp/out", family="bert", form="collaborative",
+                          method="tucker-cp-als", layers=[layer], files=[], seconds=1.0)
+
+
+def a_shared_key_result() -> CompressResult:
+    shape = SharedKeyShape(input_dim=64, num_heads=4, kv_heads=2, head_dim=16)
+    before, after = original_grouped_cost(shape), shared_key_cost(shape, 16)
+    layer = SharedKeyLayerReport(
+        name="model.layers.0.self_attn", rank=16, num_heads=4, head_dim=16, input_dim=64, relative_error=0.125,
+        logit_error=None, refinement=None, parameters_before=before.parameters, parameters_after=after.parameters,
+        seconds=0.1, cost_before=before.as_dict(), cost_after=after.as_dict(), kv_heads=2,
+        initialisation="weighted PCA of the keys per rotary frequency", frequency_ranks=[2, 2, 2, 1, 1, 0, 0, 0],
+        pass_rank=0,
+    )
+    return CompressResult(model="acme/llama", output="/tmp/out", family="llama", form="shared-key", method=None,
                           layers=[layer], files=[], seconds=1.0)
 
 
 def test_markdown_report_shows_errors_and_costs_per_layer():
-    text = markdown_report(a_result())
+    text = markdown_report(a_result(), CP)
     assert "encoder.layer.0.attention.self | 16 | 0.2500 | 0.5000" in text
     assert "Q/K MACs per token n=2048" in text and "key cache" in text
 
@@ -28,8 +52,8 @@ def test_markdown_report_shows_errors_and_costs_per_layer():
 def test_report_and_card_tell_the_same_story(tmp_path):
     result = a_result()
     result.fidelity = {"measured_on": "32 held-out lines of news.txt", "cosine_mean": 0.991, "cosine_p01": 0.972}
-    write_model_card(result, CardSource(base_model="acme/tiny"), tmp_path)
-    card, report = (tmp_path / "README.md").read_text(), markdown_report(result)
+    write_model_card(result, CP, CardSource(base_model="acme/tiny"), tmp_path)
+    card, report = (tmp_path / "README.md").read_text(), markdown_report(result, CP)
     for text in (card, report):
         assert "query and a key projection of rank 16 (full rank, where the form is exact: 48)" in text
         assert "query/key multiply-adds per token (projections plus scores against n keys): n=128:" in text
@@ -40,7 +64,7 @@ def test_report_and_card_tell_the_same_story(tmp_path):
 
 
 def test_without_measurements_the_card_says_how_to_measure(tmp_path):
-    write_model_card(a_result(), CardSource(base_model=None), tmp_path)
+    write_model_card(a_result(), CP, CardSource(base_model=None), tmp_path)
     assert "fidelity: not measured here; run `collab-convert verify" in (tmp_path / "README.md").read_text()
 
 
@@ -48,7 +72,7 @@ def test_card_front_matter_comes_from_the_source_metadata(tmp_path):
     source = CardSource(base_model="acme/tiny", front_matter={"tags": ["sentence-similarity"],
                                                              "pipeline_tag": "feature-extraction"},
                         license="apache-2.0")
-    assert write_model_card(a_result(), source, tmp_path) == ["README.md"]
+    assert write_model_card(a_result(), CP, source, tmp_path) == ["README.md"]
     card = (tmp_path / "README.md").read_text()
     assert card.startswith("---\nbase_model: acme/tiny\nbase_model_relation: quantized\n")
     assert "license: apache-2.0" in card and "pipeline_tag: feature-extraction" in card
@@ -58,5 +82,23 @@ def test_card_front_matter_comes_from_the_source_metadata(tmp_path):
 def test_report_json_replaces_non_finite_numbers(tmp_path):
     result = a_result()
     result.layers[0].per_head_truncation_error = float("nan")
-    write_reports(result, tmp_path)
+    write_reports(result, CP, tmp_path)
     assert '"per_head_truncation_error": null' in (tmp_path / "report.json").read_text()
+
+
+def test_a_shared_key_report_reads_in_its_own_terms(tmp_path):
+    result = a_shared_key_result()
+    form = form_named(result.form)
+    report = markdown_report(result, form)
+    write_model_card(result, form, CardSource(base_model="acme/llama"), tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert "| layer | shared key | score energy lost | params before |" in report
+    assert "| model.layers.0.self_attn | 16 | 0.1250 |" in report
+    assert "| model.layers.0.self_attn | 2 2 2 1 1 0 0 0 | 0 |" in report  # the key's split over RoPE frequencies
+    assert "per-head truncation" not in report and "mixing vector" not in card
+    for text in (report, card):
+        assert "keeps its per-head queries and shares one rotary key across its key heads" in text
+        assert "score energy lost (weighted by the queries that read the keys): 0.1250" in text
+    assert "form: shared-key (collab-convert" in report
+    write_reports(result, form, tmp_path)
+    assert '"form": "shared-key"' in (tmp_path / "report.json").read_text()

@@ -1,0 +1,158 @@
+"""The four commands: each parses (flags from options.py), calls its job, and prints (render.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from ..errors import BadInputError
+from ..options import AnalyzeOptions, CompressOptions, ExportOptions, VerifyOptions
+from .app import app
+from .flags import build_options, with_options
+from .render import (
+    Quiet,
+    print_analysis,
+    print_compression,
+    print_error,
+    print_plan,
+    print_verification,
+    run_with_progress,
+)
+
+MODEL_HELP = "A local model folder or a hub id in the local Hugging Face cache (default: the embedded all-MiniLM-L6-v2)."
+JSON_HELP = "Print one JSON object on stdout and nothing else."
+QUIET_HELP = "No progress output."
+
+
+@app.command()
+@with_options(AnalyzeOptions, after="model")
+def analyze(
+    model: str = typer.Argument(None, help=MODEL_HELP, show_default=False, metavar="MODEL"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
+    **options,
+) -> None:
+    """PCA redundancy of every attention layer: spectra, energy ranks, and what each candidate rank costs and
+    gives (the error of a fit; with --calibration the logit error and the embedding cosine on held-out lines).
+
+    Next: --target-cosine 0.99 names the smallest rank that keeps embeddings that close; then run
+    `collab-convert compress MODEL --rank R -o OUT` (or --rank auto).
+    """
+    Quiet.quiet = quiet
+    chosen = build_options(AnalyzeOptions, options)
+    from ..analysis import analyze as run_analyze
+    from ..io.folders import DEFAULT_MODEL
+
+    result = run_with_progress(run_analyze, model or DEFAULT_MODEL, chosen.ranks, show=not as_json, options=chosen)
+    if chosen.plot is not None:
+        from ..forms import form_named
+        from ..report.plots import plot_spectra
+
+        try:
+            plot_spectra(form_named(result.form).spectra(result.layers), chosen.plot)
+        except OSError as failure:
+            raise BadInputError(f"cannot write the plot to {chosen.plot}: {failure.strerror or failure}") from None
+    if as_json:
+        typer.echo(json.dumps(result.to_dict()))
+        return
+    print_analysis(result)
+
+
+@app.command()
+@with_options(CompressOptions, after="model")
+def compress(
+    model: str = typer.Argument(None, help=MODEL_HELP, show_default=False, metavar="MODEL"),
+    max_error: Optional[float] = typer.Option(None, "--max-error", help="Exit 1 if any layer's relative error exceeds this."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check the model, ranks and output location; write nothing."),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
+    **options,
+) -> None:
+    """Re-parametrize every attention layer into collaborative form and write a loadable checkpoint.
+
+    Next: `import collab_convert` and load OUTPUT with transformers' Auto classes or collab_convert.load_model.
+    """
+    Quiet.quiet = quiet
+    chosen = build_options(CompressOptions, options)  # usage errors answer before anything heavy loads
+    from ..compression import compress as run_compress
+    from ..compression import plan
+    from ..io.folders import DEFAULT_MODEL
+    from ..report.reports import result_json
+
+    if dry_run:
+        checked = plan(model or DEFAULT_MODEL, chosen)
+        if as_json:
+            typer.echo(json.dumps(checked.to_dict()))
+        else:
+            print_plan(checked)
+        return
+    result = run_with_progress(run_compress, model or DEFAULT_MODEL, chosen, show=not as_json)
+    if as_json:
+        typer.echo(result_json(result, indent=None))
+    else:
+        print_compression(result, chosen.rank)
+    failed = [layer for layer in result.layers if max_error is not None and layer.relative_error > max_error]
+    if failed:
+        worst = max(failed, key=lambda layer: layer.relative_error)
+        print_error(f"{len(failed)} layer(s) exceed --max-error {max_error}: worst {worst.name} at "
+              f"{worst.relative_error:.4f}")
+        raise typer.Exit(1)
+
+
+@app.command()
+@with_options(ExportOptions, after="model")
+def export(
+    model: str = typer.Argument(..., help="The compressed checkpoint (a folder), or any model transformers loads.",
+                                metavar="CHECKPOINT"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
+    **options,
+) -> None:
+    """Write CHECKPOINT as ONNX (batch and length dynamic; encoders: final hidden states, causal language models:
+    logits without a cache), after checking that onnxruntime reproduces PyTorch on built-in sentences.
+
+    Next: run OUTPUT/model.onnx with onnxruntime.InferenceSession; its inputs are the tokenizer's (saved beside it).
+    """
+    Quiet.quiet = quiet
+    chosen = build_options(ExportOptions, options)
+    from ..exporting import export as run_export
+    from .render import stdout
+
+    result = run_with_progress(run_export, model, chosen, show=not as_json)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict()))
+    else:
+        stdout.print(
+            f"Wrote {result.output}/model.onnx ({result.kind}) in {result.seconds:.1f} s; onnxruntime matches "
+            f"PyTorch to {result.max_abs_difference:.1e} on {result.checked_on}.", highlight=False)
+
+
+@app.command()
+@with_options(VerifyOptions, after="model")
+def verify(
+    model: str = typer.Argument(..., help="The compressed checkpoint (a folder).", metavar="CHECKPOINT"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
+    **options,
+) -> None:
+    """Fidelity of a compressed checkpoint to its base on real text: cosine of final hidden states (mean and
+    1st percentile) and, for language models, next-token top-1 agreement and KL.
+
+    Next: put the thresholds that matter to you in your release pipeline (see docs/ci.md).
+    """
+    Quiet.quiet = quiet
+    chosen = build_options(VerifyOptions, options)
+    from ..integration.fidelity import verify as run_verify
+    from ..io.texts import read_texts
+
+    result = run_with_progress(run_verify, model, chosen.against, read_texts(chosen.texts, chosen.samples),
+                               chosen.thresholds, show=not as_json, device=chosen.device)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict()))
+    else:
+        print_verification(result)
+    if result.failures:
+        print_error("; ".join(result.failures))
+        raise typer.Exit(1)

@@ -1,0 +1,131 @@
+"""What the terminal shows: the progress bars on stderr, and results as tables and lines on stdout. Each result
+carries its form, and the form (forms/) gives its own tables and words; this module only lays them out."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table as RichTable
+
+from ..progress import stage_of
+
+# Piped output (CI logs, files) gets wide tables, unless COLUMNS says how wide; a terminal gets its own width.
+stdout = Console(soft_wrap=True, width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 180)
+stderr = Console(stderr=True)
+
+
+class Quiet:
+    """--quiet: no progress output for the command running now."""
+
+    quiet = False
+
+
+def print_error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+
+
+def _progress_bar(enabled: bool):
+    if not enabled or Quiet.quiet:
+        return None
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=stderr,
+        transient=True,
+    )
+
+
+def run_with_progress(function, *args, show: bool = True, **kwargs):
+    bar = _progress_bar(show and stderr.is_terminal)
+    if bar is None:
+        return function(*args, **kwargs)
+    tasks = {}
+    with bar:
+
+        def progress(what: str, done: int, total: int) -> None:
+            stage = stage_of(what)  # one bar per stage; its changing detail goes into the description
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(what, total=total)
+            bar.update(tasks[stage], completed=done, total=total, description=what)
+
+        return function(*args, progress=progress, **kwargs)
+
+
+def table(title: str, columns: list[str], rows: list[list[str]] = ()) -> RichTable:
+    """A table that wraps rather than cuts: numbers are never shown as an ellipsis."""
+    shown = RichTable(title=title, title_justify="left")
+    for index, column in enumerate(columns):
+        shown.add_column(column, justify="left" if index == 0 else "right", overflow="fold")
+    for row in rows:
+        shown.add_row(*row)
+    return shown
+
+
+def print_analysis(result) -> None:
+    from ..forms import form_named
+
+    form = form_named(result.form)
+    for view in form.analysis_tables(result):
+        stdout.print(table(view.title, view.columns, view.rows))
+    stdout.print(_candidate_table(result))
+    stdout.print(form.analysis_advice(result), highlight=False)
+
+
+def _candidate_table(result) -> RichTable:
+    calibrated = any(p.mean_logit_error is not None for p in result.predictions)
+    measured = any(p.cosine_mean is not None for p in result.predictions)
+    columns = ["rank", "Q/K params", "key cache/token", "error"] + (["logit error"] if calibrated else [])
+    columns += ["cosine mean/p1"] if measured else []
+    shown = table(f"Candidate ranks, all {len(result.layers)} layers together", columns)
+    first = result.predictions[0] if result.predictions else None
+    if first:
+        row = ["original", f"{first.parameters_before:,}", f"{first.key_cache_before:,}", "0"]
+        shown.add_row(*row, *(["0"] if calibrated else []), *(["1/1"] if measured else []))
+    for p in result.predictions:
+        row = [str(p.rank), f"{p.parameters:,} ({100 * p.parameters / p.parameters_before:.0f}%)",
+               f"{p.key_cache_per_token:,}", f"{p.mean_relative_error:.3f}"]
+        row += [f"{p.mean_logit_error:.3f}"] if calibrated else []
+        row += [f"{p.cosine_mean:.4f}/{p.cosine_p01:.4f}"] if measured else []
+        shown.add_row(*row)
+    return shown
+
+
+def print_plan(checked) -> None:
+    stdout.print(
+        f"OK: {checked.model} ({checked.family}, {checked.form} form), {len(checked.layers)} attention layers at "
+        f"{checked.size} -> {checked.output}. Q/K parameters {checked.parameters_before:,} -> "
+        f"{checked.parameters_after:,}.\nNext: run the same command without --dry-run."
+    )
+
+
+def print_compression(result, rank) -> None:
+    from ..forms import form_named
+    from ..results import layer_labels
+
+    labels = layer_labels([layer.name for layer in result.layers])
+    kind = "auto ranks" if rank == "auto" else f"rank {rank}" if rank is not None else "shared key"
+    columns, cells = form_named(result.form).layer_columns(result)
+    shown = table(f"Collaborative attention ({kind}): {result.model}",
+                  ["layer", *columns, "Q/K params before", "after"])
+    for layer, own in zip(result.layers, cells, strict=True):
+        shown.add_row(labels[layer.name], *own, f"{layer.parameters_before:,}", f"{layer.parameters_after:,}")
+    stdout.print(shown)
+    stdout.print(
+        f"Wrote {result.output} in {result.seconds:.1f} s. Q/K parameters {result.parameters_before:,} -> "
+        f"{result.parameters_after:,}; mean relative error {result.mean_relative_error:.4f}.\n"
+        f"Next: python -c \"import collab_convert; m = collab_convert.load_model('{result.output}')\""
+    )
+
+
+def print_verification(result) -> None:
+    line = (f"{result.texts} texts: cosine mean {result.cosine_mean:.4f}, 1st percentile {result.cosine_p01:.4f}, "
+            f"min {result.cosine_min:.4f}")
+    if result.top1_agreement is not None:
+        line += f"; next-token top-1 agreement {result.top1_agreement:.4f}, KL {result.kl_mean:.4f}"
+    stdout.print(line, highlight=False)

@@ -1,0 +1,66 @@
+"""What the CP form needs to know of the model beyond its weights: input statistics on calibration text, and
+one rank per layer from a share of the energy of its (whitened) head products."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ...architectures.source import SourceModel
+from ...options import CompressOptions
+from ...progress import Progress
+
+
+def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], progress: Progress,
+              refine: bool = True, scratch: Path | None = None):
+    """Input statistics of every layer on the calibration texts, and what the report says about them. With a
+    `scratch` folder the model runs a block at a time and the statistics wait there (capture.py)."""
+    from ...integration.capture import collect_statistics
+
+    refines = refine and bool(options.refine_steps)
+    metrics, batches = collect_statistics(
+        source.folder, source.layout, source.family.position_bias, [layer.prefix for layer in source.layers], texts,
+        options.calibration_max_length, progress, keep_samples=options.refine_samples if refines else 0,
+        token_budget=options.calibration_tokens, scratch=scratch,
+        width=source.width, device=options.device,
+    )
+    if refines:
+        from ...decompose.refinement import BATCH_SEQUENCES, QUERY_ROWS
+
+        refinement = (f"Adam on the attention KL, {options.refine_steps} steps per layer on average, shared out by "
+                      f"each layer's KL before refinement; each step on {BATCH_SEQUENCES} of "
+                      f"{min(options.refine_samples, len(texts))} sequences and {QUERY_ROWS} query positions in each, "
+                      "stopped and chosen on a held-out tenth of them")
+    else:
+        refinement = "off"
+    calibration = {
+        "source": str(options.calibration),
+        "examples": batches.texts,
+        "tokens": batches.tokens,
+        "max_length": options.calibration_max_length,
+        "objective": "logit error on the calibration inputs (keys centred per sequence)",
+        "refinement": refinement,
+    }
+    return metrics, calibration
+
+
+def energy_ranks(source: SourceModel, options: CompressOptions, metrics) -> dict[str, int]:
+    """One rank per layer: the fewest shared dimensions holding `options.energy` of the energy of its (whitened,
+    with calibration) products."""
+    from ...decompose.calibrated import whiten
+    from ...decompose.spectra import energy_rank, key_side_matrix, query_side_matrix
+
+    ranks = {}
+    for layer in source.layers:
+        products = source.read_projections(layer).products(layer.shape.num_heads)
+        if metrics is not None:
+            metric = metrics[layer.prefix]
+            products = whiten(products, metric.query, metric.key)
+        share = options.energy
+        rank = max(
+            energy_rank(torch.linalg.svdvals(query_side_matrix(products)), share),
+            energy_rank(torch.linalg.svdvals(key_side_matrix(products)), share),
+        )
+        ranks[layer.prefix] = min(max(rank, 1), layer.shape.key_dim)
+    return ranks

@@ -1,0 +1,204 @@
+"""The shared-key form's layers: one key-cache budget spread over layers and RoPE frequencies, each layer's
+shared key fitted (weighted PCA per frequency), refined against the original's attention output where
+calibration kept samples, and written in place of the key projection as the checkpoint streams past."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from ...architectures.layouts import AttentionLayer
+from ...architectures.source import SourceModel
+from ...cpu import reused_heap
+from ...decompose.costs import SharedKeyShape, original_grouped_cost, shared_key_cost
+from ...decompose.shared_key import KeyRanks, KeySpectrum, KeyStatistics, allocate, fit_shared_key, key_spectrum
+from ...errors import BadInputError
+from ...format import (
+    FUSED_QUERY,
+    FUSED_VALUE,
+    KEY_MIXING,
+    PASS_CORE,
+    QUERY_CORE,
+    SHARED_KEY,
+    SHARED_KEY_BIAS,
+    FormatConfig,
+    HeadCounts,
+    write_config,
+)
+from ...io.writer import parse_size
+from ...options import CompressOptions
+from ...progress import DETAIL, Progress
+from ...results import SharedKeyLayerReport, rounded
+from ...streaming import fit_workers, layer_labels, stream_weights
+from .statistics import geometry_of, key_norm
+
+
+def layer_width(source: SourceModel, options: CompressOptions) -> int:
+    """The shared key's numbers per token and layer, on average: --rank, or --key-cache of the original."""
+    full = max(layer.full_rank for layer in source.layers)
+    if options.key_cache is not None:
+        if options.rank is not None:
+            raise BadInputError("give --rank or --key-cache, not both")
+        width = round(options.key_cache * full)
+    elif isinstance(options.rank, int):
+        width = options.rank
+    else:
+        raise BadInputError(
+            f"{source.family.name} takes the shared-key form: give --key-cache (a share of the key cache, e.g. 0.5) or "
+            f"--rank (the shared key's numbers per token and layer, at most {full})"
+        )
+    for layer in source.layers:
+        layer.check_rank(width)
+    if not source.layout.rotates and width < 1:
+        raise BadInputError(f"a shared key needs at least 1 number per token, got {width}")
+    if source.layout.rotates and width < 2:
+        raise BadInputError(f"a shared rotary key needs at least 2 numbers per token (one complex dimension), "
+                            f"got {width}")
+    return width
+
+
+def plan_layers(source: SourceModel, width: int) -> list[dict]:
+    """What the plan shows: each layer's query/key parameters before and after, at the average width."""
+    layers = []
+    for layer in source.layers:
+        shape = shape_of(source, layer)
+        before = original_grouped_cost(shape, has_bias=layer.has_query_bias).parameters
+        # with no rotated dimension every head maps its whole query onto the shared key (pass_core: N_h x d x R)
+        cores = {"complex_core": 0, "pass_core": layer.shape.num_heads * layer.shape.head_dim * width} \
+            if not layer.rotary_dim else {}
+        after = shared_key_cost(shape, width, **cores, has_bias=layer.has_query_bias).parameters
+        layers.append({"name": layer.prefix, "rank": width, "parameters_before": before, "parameters_after": after})
+    return layers
+
+
+def shape_of(source: SourceModel, layer: AttentionLayer) -> SharedKeyShape:
+    return SharedKeyShape(layer.shape.input_dim, layer.shape.num_heads, layer.kv_heads, layer.shape.head_dim,
+                          key_norm(source))
+
+
+def allocate_ranks(source: SourceModel, statistics: Mapping[str, KeyStatistics], width: int) -> dict[str, KeyRanks]:
+    """One budget of width x layers numbers per token, spread where the most score energy stays.
+
+    The budget is the key cache, so it is spread over the layers whose keys are cached. An encoder-decoder's
+    encoder layers, which cache nothing, get the same width on average, spread among themselves: they then
+    neither take from the cache's budget nor give to it."""
+    ranks = {}
+    for cached in (True, False):
+        layers = [layer for layer in source.layers if layer.caches_keys == cached]
+        spectra = [score_shares(key_spectrum(statistics[layer.prefix], geometry_of(layer))) for layer in layers]
+        ranks.update(zip((layer.prefix for layer in layers), allocate(spectra, width * len(layers)), strict=True))
+    return {layer.prefix: ranks[layer.prefix] for layer in source.layers}
+
+
+def score_shares(spectrum: KeySpectrum) -> KeySpectrum:
+    """Losses as shares of the layer's own score energy. Raw energies differ between layers by more than their
+    importance does (measured on SmolLM2 at half the key cache: perplexity 104 with raw energies across layers,
+    68 with one width per layer, 68 with shares), so a direction is judged within its layer."""
+    total = float(spectrum.frequency_losses.sum() + spectrum.pass_losses.sum()) or 1.0
+    return KeySpectrum(spectrum.frequency_losses / total, spectrum.pass_losses / total)
+
+
+def convert_weights(source: SourceModel, options: CompressOptions, folder: Path, progress: Progress,
+                    ranks: dict[str, KeyRanks], statistics: Mapping[str, KeyStatistics], calibrations=None,
+                    finished=None):
+    """Every tensor to the output in input order; at each attention layer, its shared key and query cores
+    (fitted, and refined where calibration kept samples, there) in place of the key projection."""
+    layout, normed = source.layout, key_norm(source)
+
+    def specs(layer: AttentionLayer):
+        r = ranks[layer.prefix]
+        return layout.output_specs(source.reader, layer, r.width, sum(r.frequency_ranks), r.pass_rank,
+                                   layer.shape.head_dim - layer.rotary_dim, normed)
+
+    labels = layer_labels(source)
+
+    def fit(layer: AttentionLayer, progress: Progress):
+        calibration = calibrations[layer.prefix] if calibrations else None
+        stage = "refining" if calibration is not None and calibration.samples and options.refine_steps else "fitting"
+        progress(f"{stage}{DETAIL}{labels[layer.prefix]}", source.layers.index(layer), len(source.layers))
+        # a calibration record carries the statistics: one read of it, not two (it may wait on disk)
+        layer_statistics = calibration.statistics if calibration is not None else statistics[layer.prefix]
+        return _fit_layer(source, layer, ranks[layer.prefix], layer_statistics, normed, calibration, options)
+
+    refined = bool(calibrations and options.refine_steps)  # refinement holds calibration samples: one layer at a time
+    return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished,
+                          workers=0 if refined else fit_workers())
+
+
+def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, statistics: KeyStatistics,
+               normed: bool, calibration, options: CompressOptions):
+    started = time.perf_counter()
+    weights = source.layout.read(source.reader, layer)
+    factors = fit_shared_key(statistics, geometry_of(layer), ranks)
+    refinement = None
+    if calibration is not None and calibration.samples and ranks != KeyRanks.full(geometry_of(layer)):
+        from ...decompose.shared_key_refinement import refine_shared_key
+
+        with reused_heap():  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
+            refined = refine_shared_key(calibration.samples, factors, geometry_of(layer), calibration.setting,
+                                        steps=options.refine_steps, seed=options.seed, device=options.device)
+        factors = refined.factors
+        refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
+                      "objective": refined.objective, "loss_before": refined.loss_before,
+                      "loss_after": refined.loss_after}
+    dtype, p = weights.query_weight.dtype, layer.prefix
+    tensors: dict[str, torch.Tensor] = {}
+    for suffix in ("weight", "bias"):
+        if f"{p}.{FUSED_QUERY}.{suffix}" in weights.kept:
+            tensors[f"{p}.{FUSED_QUERY}.{suffix}"] = weights.kept[f"{p}.{FUSED_QUERY}.{suffix}"]
+    if normed:
+        tensors[f"{p}.{KEY_MIXING}"] = factors.key_mixing
+    else:
+        tensors[f"{p}.{SHARED_KEY}"] = factors.key_mixing @ weights.key_weight.double()
+        if weights.key_bias is not None:
+            tensors[f"{p}.{SHARED_KEY_BIAS}"] = factors.key_mixing @ weights.key_bias.double()
+    for suffix in ("weight", "bias"):
+        if f"{p}.{FUSED_VALUE}.{suffix}" in weights.kept:
+            tensors[f"{p}.{FUSED_VALUE}.{suffix}"] = weights.kept[f"{p}.{FUSED_VALUE}.{suffix}"]
+    tensors[f"{p}.{QUERY_CORE}"] = factors.query_core
+    if layer.rotary_dim < layer.shape.head_dim:
+        tensors[f"{p}.{PASS_CORE}"] = factors.pass_core
+    tensors = {name: tensor.to(dtype).contiguous() for name, tensor in tensors.items()}
+    report = _report(source, layer, factors, time.perf_counter() - started)
+    if calibration is not None:
+        report.logit_error, report.refinement = factors.lost_energy, refinement
+    return report, tensors
+
+
+def _report(source: SourceModel, layer: AttentionLayer, factors, seconds: float) -> SharedKeyLayerReport:
+    shape = shape_of(source, layer)
+    before = original_grouped_cost(shape, has_bias=layer.has_query_bias).cached(layer.caches_keys)
+    after = shared_key_cost(shape, factors.ranks.width, factors.query_core.numel(), factors.pass_core.numel(),
+                            has_bias=layer.has_query_bias).cached(layer.caches_keys)
+    return SharedKeyLayerReport(
+        name=layer.prefix, rank=factors.ranks.width, num_heads=layer.shape.num_heads, head_dim=layer.shape.head_dim,
+        input_dim=layer.shape.input_dim, relative_error=factors.lost_energy, logit_error=None, refinement=None,
+        parameters_before=before.parameters, parameters_after=after.parameters, seconds=seconds,
+        cost_before=before.as_dict(), cost_after=after.as_dict(), kv_heads=layer.kv_heads,
+        initialisation="weighted PCA of the keys" + (" per rotary frequency" if layer.rotary_dim else ""),
+        frequency_ranks=list(factors.ranks.frequency_ranks), pass_rank=factors.ranks.pass_rank,
+        key_spectrum=key_spectrum_values(factors),
+    )
+
+
+def key_spectrum_values(factors) -> list[float]:
+    """The kept shared key's per-slot scale, largest first: what the spectra plot shows of shared-key layers."""
+    return rounded(sorted(factors.key_mixing.norm(dim=1).tolist(), reverse=True))
+
+
+def write_shared_key_config(source: SourceModel, reports: list[SharedKeyLayerReport], folder: Path,
+                            format_version: int) -> None:
+    """config.json with the shared-key form's record: each layer's heads and how its key splits over RoPE
+    frequencies (and whether it mixes normalised keys); no decomposition method."""
+    normed = key_norm(source)
+    by_prefix = {layer.prefix: layer for layer in source.layers}
+    layers = {}
+    for report in reports:
+        layer = by_prefix[report.name]
+        entry = FormatConfig.shared_key_entry(HeadCounts(layer.shape.num_heads, layer.kv_heads), layer.shape.head_dim,
+                                              layer.rotary_dim, report.frequency_ranks, report.pass_rank)
+        layers[report.name] = {**entry, **({"key_norm": True} if normed else {})}
+    write_config(source.config, source.family.name, None, layers, folder, format_version=format_version)

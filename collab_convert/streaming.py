@@ -1,0 +1,128 @@
+"""The one writer of every form's checkpoint: every input tensor streamed to the output in order, each attention
+layer fitted (by the form) where its tensors stream past, up to a few layers ahead in worker threads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .architectures.layouts import AttentionLayer
+from .architectures.source import SourceModel
+from .io.headers import TensorSpec
+from .io.writer import ShardWriter
+from .progress import DETAIL, Progress, no_progress
+from .resume import FinishedLayers
+from .results import LayerReport
+
+
+def layer_labels(source: SourceModel) -> dict[str, str]:
+    """'layer k/L' by prefix, in the order the layers are written: what progress shows."""
+    return {layer.prefix: f"layer {index + 1}/{len(source.layers)}" for index, layer in enumerate(source.layers)}
+
+
+def fit_workers() -> int:
+    """Layers fitted side by side when fits are independent of each other: one per thread the math was given."""
+    return max(1, torch.get_num_threads())
+
+
+LayerFitter = Callable[[AttentionLayer, Progress], tuple[LayerReport, dict[str, torch.Tensor]]]
+
+
+def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progress: Progress,
+                   layer_specs: Callable[[AttentionLayer], list[TensorSpec]], fit: LayerFitter,
+                   finished: FinishedLayers | None = None, workers: int = 0):
+    """Stream every tensor to the output in input order; at each attention layer, fit it and write its new
+    tensors in place of the ones they replace. Every output tensor's name, dtype and shape is known
+    (layer_specs) before anything is computed.
+
+    workers = 0 fits each layer where it streams past, with torch's threads. workers >= 1 fits up to that many
+    layers ahead of the writer in worker threads while the writer copies tensors through: reading, the math
+    and writing overlap, and memory holds at most `workers` layers in flight. There every torch operation runs
+    on one thread, so the output bytes do not depend on the number of workers (a product summed by two
+    threads rounds differently from one summed by one)."""
+    by_anchor = {layer.anchor: layer for layer in source.layers}
+    replaced = {name for layer in source.layers for name in layer.replaced}
+    specs = []
+    for name in source.reader.names():
+        if name in by_anchor:
+            specs += layer_specs(by_anchor[name])
+        if name not in replaced:
+            specs.append(source.reader.spec(name))
+    writer = ShardWriter(folder, specs, max_shard_size)
+    reader, reports = source.reader, []
+    names = reader.names()
+    labels = layer_labels(source)
+    ahead = FitsAhead(fit, workers, [by_anchor[name] for name in names if name in by_anchor], finished)
+    try:
+        for index, name in enumerate(names):
+            reader.release_all_but(name)  # keep one input shard mapped at a time
+            if name in by_anchor:
+                layer = by_anchor[name]
+                done = finished.get(layer) if finished else None
+                report, tensors = done if done else ahead.result(layer, progress, labels[layer.prefix])
+                if finished and not done:
+                    finished.put(layer, report, tensors)
+                reports.append(report)
+                progress("writing", index, len(names))
+                for new_name, tensor in tensors.items():
+                    writer.add(new_name, tensor)
+            elif index % 16 == 0:
+                progress("writing", index, len(names))
+            if name not in replaced:
+                location = reader.byte_range(name)
+                if location is None:
+                    writer.add(name, reader.get(name))
+                else:
+                    writer.copy_bytes(reader.spec(name), location)
+    finally:
+        ahead.close()
+    progress("writing", len(names), len(names))
+    files = writer.finish()
+    progress("writing", len(names), len(names))
+    return reports, files
+
+
+class FitsAhead:
+    """Layer fits submitted in write order to a few worker threads, at most `workers` of them ahead."""
+
+    def __init__(self, fit: LayerFitter, workers: int, layers: list[AttentionLayer], finished: FinishedLayers | None):
+        self.fit, self.workers = fit, workers
+        self.waiting = [layer for layer in layers if not (finished and finished.has(layer))] if workers else []
+        self.pending: dict[str, Any] = {}
+        self.pool = self.threads = None
+        if workers:
+            # one thread per operation for every fit of this run, the ones fitted in place included (a saved
+            # layer that fails to load on --resume): the bytes must not depend on where a layer was fitted
+            self.threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+        if self.waiting:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(workers, thread_name_prefix="collab-fit")
+            self._top_up()
+
+    def _top_up(self) -> None:
+        while self.waiting and len(self.pending) < self.workers:
+            layer = self.waiting.pop(0)
+            self.pending[layer.prefix] = self.pool.submit(self.fit, layer, no_progress)
+
+    def result(self, layer: AttentionLayer, progress: Progress, label: str):
+        future = self.pending.pop(layer.prefix, None)
+        if future is None:  # fitted where it streams past (no workers, or a saved layer that failed to load)
+            return self.fit(layer, progress)
+        if not future.done():  # the writer waits on the math: show it as fitting
+            progress(f"fitting{DETAIL}{label}", 0, 1)
+        result = future.result()
+        self._top_up()
+        return result
+
+    def close(self) -> None:
+        if self.pool is not None:
+            for future in self.pending.values():
+                future.cancel()
+            self.pool.shutdown(wait=True)
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
