@@ -10,16 +10,13 @@ sizes and are refused) with the original 1/sqrt(d_k) scaling, masks and everythi
 
 from __future__ import annotations
 
-import math
-import os
 import sys
-import threading
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from ..cpu import NeighbourGauge
+from .blocks import BlockWorkers, workspace
 
 ATTENTION_NAME = "collaborative"
 
@@ -176,7 +173,7 @@ def _blocked_inference(module, shared_query, packed_key, value, attention_mask, 
 
     Beside a busy neighbour (other processes kept busy half a core or more beyond the cores torch leaves free)
     and with more than one torch thread, the blocks are shared out to that many workers that each run a
-    block's operations on one thread, taking the next block when done (_BlockWorkers): a core the neighbour
+    block's operations on one thread, taking the next block when done (blocks.BlockWorkers): a core the neighbour
     slows takes fewer blocks, where torch's own split of every operation waits for its slowest thread. On a
     quiet machine torch's split is faster (measured in docs/how-it-works.md), so it runs there."""
     heads, rank = module.mixing.shape
@@ -196,7 +193,7 @@ def _blocked_inference(module, shared_query, packed_key, value, attention_mask, 
         seqs, span = block
         count, length = seqs.stop - seqs.start, span.stop - span.start
         with torch.inference_mode(inference):
-            queries, scores = _workspace(shared_query, (count, heads, length, width), (count, heads, length, m))
+            queries, scores = workspace(shared_query, (count, heads, length, width), (count, heads, length, m))
             if width > rank:
                 queries[..., rank:] = head_picks
             torch.mul(shared_query[seqs, span].unsqueeze(1), mixing, out=queries[..., :rank])
@@ -210,94 +207,8 @@ def _blocked_inference(module, shared_query, packed_key, value, attention_mask, 
                 weights = nn.functional.dropout(weights, p=dropout, training=True)
             output[seqs, span] = torch.matmul(weights, value[seqs]).transpose(1, 2)
 
-    _BlockWorkers.run(run, blocks)
+    BlockWorkers.run(run, blocks)
     return output
-
-
-class _BlockWorkers:
-    """A few threads, each running torch on one thread, that take blocks from a shared iterator until none are
-    left: dynamic scheduling of the score blocks over the cores torch was given. Used only beside a busy
-    neighbour (NeighbourGauge). Started when first needed and kept (a new pool per call would cost more than a
-    small layer)."""
-
-    _pool = None
-    _size = 0
-    _pid = None  # a forked child inherits the pool object but not its threads: it starts its own
-    _lock = threading.Lock()
-    _gauge = NeighbourGauge()
-    BUSY = 0.5  # cores busy elsewhere from which the workers take over
-
-    @classmethod
-    def run(cls, work, blocks: list) -> None:
-        threads = torch.get_num_threads()
-        busy = cls._gauge.busy_elsewhere() if threads > 1 else None
-        # others' work lands on our threads' cores only once it fills the cores we leave free (a big machine's
-        # other jobs usually run beside ours, not on top of them)
-        spare = max((os.cpu_count() or threads) - threads, 0)
-        if threads <= 1 or busy is None or busy - spare < cls.BUSY:
-            for block in blocks:
-                work(block)
-            return
-        # one block (a decode step) too: one thread that runs it whole waits for no slowed thread
-        threads = min(threads, len(blocks))
-        taken = iter(blocks)  # next() on a list iterator is atomic under the GIL: each block runs once
-        pool = cls._executor(threads)
-        futures = [pool.submit(cls._take, work, taken) for _ in range(threads)]
-        for future in futures:
-            future.result()
-
-    @staticmethod
-    def _take(work, taken) -> None:
-        for block in taken:
-            work(block)
-
-    @classmethod
-    def _executor(cls, threads: int):
-        with cls._lock:
-            if cls._pool is None or cls._size < threads or cls._pid != os.getpid():
-                from concurrent.futures import ThreadPoolExecutor
-
-                if cls._pool is not None and cls._pid == os.getpid():
-                    cls._pool.shutdown(wait=False)
-                ready = threading.Barrier(threads)
-                pool = ThreadPoolExecutor(threads, thread_name_prefix="collab-blocks",
-                                          initializer=_single_threaded, initargs=(ready,))
-                # torch.set_num_threads also sets the count every thread started later begins with: start all the
-                # workers now, then give that count back, so the caller's threads and new ones keep theirs
-                for future in [pool.submit(lambda: None) for _ in range(threads)]:
-                    future.result()
-                torch.set_num_threads(torch.get_num_threads())
-                cls._pool, cls._size, cls._pid = pool, threads, os.getpid()
-            return cls._pool
-
-
-def _single_threaded(ready: threading.Barrier) -> None:
-    torch.get_num_threads()  # torch's per-thread set-up first: it would later reset this thread's count
-    torch.set_num_threads(1)
-    try:
-        ready.wait(timeout=30)  # every worker started before the count is given back
-    except threading.BrokenBarrierError:
-        pass  # a slow start: the caller's count may be given back early, this thread still runs on one
-
-
-_WORKSPACES = threading.local()
-
-
-def _workspace(like: torch.Tensor, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
-    """Tensors of these shapes carved from this thread's scratch memory, kept from call to call (like a BLAS
-    workspace): a block's queries and scores written into fresh memory every layer would be page-faulted in
-    afresh whenever the allocator has handed that memory back to the system, which on CPU cost more than the
-    arithmetic (MiniLM, batch 32 x 128: 14,000 more page faults per forward than the original without it)."""
-    sizes = [math.prod(shape) for shape in shapes]
-    # inference-mode tensors cannot be written outside inference mode: one workspace for each
-    key = (like.device, like.dtype, torch.is_inference_mode_enabled())
-    spaces = getattr(_WORKSPACES, "spaces", None)
-    if spaces is None:
-        spaces = _WORKSPACES.spaces = {}
-    space = spaces.get(key)
-    if space is None or space.numel() < sum(sizes):
-        space = spaces[key] = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
-    return [part.view(shape) for part, shape in zip(torch.split(space[: sum(sizes)], sizes), shapes, strict=True)]
 
 
 def _block_of(tensor: torch.Tensor, seqs: slice, span: slice) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from collab_convert import CompressOptions, compress
+from collab_convert.modeling import attention, blocks
 from collab_convert.modeling.attention import _per_head_attention, shared_key_attention
 
 
@@ -76,10 +77,9 @@ class BusyNeighbour:
 def scheduling(request, monkeypatch):
     """How the blocks run: each operation split over torch's threads (a quiet machine), or whole blocks shared
     out to single-threaded workers (beside a busy neighbour, as the gauge here says)."""
-    from collab_convert.modeling import attention
 
     if request.param == "block-workers":
-        monkeypatch.setattr(attention._BlockWorkers, "_gauge", BusyNeighbour())
+        monkeypatch.setattr(blocks.BlockWorkers, "_gauge", BusyNeighbour())
         threads = torch.get_num_threads()
         torch.set_num_threads(2)
         yield request.param
@@ -96,7 +96,6 @@ def test_blocked_inference_matches_per_head_attention(block_numbers, mask_kind, 
                                                       monkeypatch):
     # Inference without weights to return runs in blocks of sequences or of query rows; a cache makes the
     # queries the last n of m positions. Every blocking, however scheduled, gives per-head attention's output.
-    from collab_convert.modeling import attention
 
     monkeypatch.setattr(attention, "BLOCK_NUMBERS", block_numbers)
     torch.manual_seed(1)
@@ -123,15 +122,14 @@ def test_blocked_inference_matches_per_head_attention(block_numbers, mask_kind, 
 def test_block_workers_run_on_one_thread_and_leave_everyone_elses_thread_count(monkeypatch):
     import threading
 
-    from collab_convert.modeling import attention
 
-    monkeypatch.setattr(attention._BlockWorkers, "_gauge", BusyNeighbour())
-    monkeypatch.setattr(attention._BlockWorkers, "_pool", None)  # a fresh pool, started here
+    monkeypatch.setattr(blocks.BlockWorkers, "_gauge", BusyNeighbour())
+    monkeypatch.setattr(blocks.BlockWorkers, "_pool", None)  # a fresh pool, started here
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         seen = []
-        attention._BlockWorkers.run(lambda block: seen.append(torch.get_num_threads()), list(range(6)))
+        blocks.BlockWorkers.run(lambda block: seen.append(torch.get_num_threads()), list(range(6)))
         assert seen == [1] * 6
         later = []
         thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
@@ -147,19 +145,18 @@ def test_workers_take_over_only_when_others_crowd_our_cores(busy, workers, monke
     # 8 cores, torch on 2: others may keep 6 busy before any of their work lands on ours
     import threading
 
-    from collab_convert.modeling import attention
 
     class Gauge:
         def busy_elsewhere(self):
             return busy
 
-    monkeypatch.setattr(attention._BlockWorkers, "_gauge", Gauge())
-    monkeypatch.setattr(attention.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(blocks.BlockWorkers, "_gauge", Gauge())
+    monkeypatch.setattr(blocks.os, "cpu_count", lambda: 8)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         names = []
-        attention._BlockWorkers.run(lambda block: names.append(threading.current_thread().name), [1, 2, 3, 4])
+        blocks.BlockWorkers.run(lambda block: names.append(threading.current_thread().name), [1, 2, 3, 4])
     finally:
         torch.set_num_threads(before)
     assert all(name.startswith("collab-blocks") == workers for name in names) and len(names) == 4
@@ -172,17 +169,16 @@ def test_a_forked_child_runs_blocks_with_workers_of_its_own(monkeypatch):
     import signal
     import time
 
-    from collab_convert.modeling import attention
 
-    monkeypatch.setattr(attention._BlockWorkers, "_gauge", BusyNeighbour())
+    monkeypatch.setattr(blocks.BlockWorkers, "_gauge", BusyNeighbour())
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        attention._BlockWorkers.run(lambda block: None, [1, 2, 3])  # the parent's pool, started
+        blocks.BlockWorkers.run(lambda block: None, [1, 2, 3])  # the parent's pool, started
         child = os.fork()
         if child == 0:
             seen = []
-            attention._BlockWorkers.run(seen.append, [4, 5, 6])
+            blocks.BlockWorkers.run(seen.append, [4, 5, 6])
             os._exit(0 if sorted(seen) == [4, 5, 6] else 1)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
