@@ -65,3 +65,13 @@ def test_records_of_older_versions_still_read():
     assert layer_form({"form": "rotary-shared-key", "rank": 8}) == "shared-key"  # format 1's name of the form
     assert layer_form({"rank": 8, "num_heads": 2}) == "collaborative"
     assert family_named("gpt2-shared-key").name == "gpt2"  # format 1 named the family in its form
+
+
+def test_every_form_can_be_asked_for_by_name():
+    from typing import get_args
+
+    from collab_convert.format import FORMS
+    from collab_convert.forms import FORMS as REGISTERED
+    from collab_convert.options import CompressOptions
+
+    assert set(get_args(CompressOptions.model_fields["form"].annotation)) == {"auto", *FORMS} == {"auto", *REGISTERED}

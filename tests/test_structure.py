@@ -113,3 +113,30 @@ def test_no_function_is_longer_than_sixty_lines():
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60
     ]
     assert not long
+
+
+def test_no_module_is_longer_than_350_lines():
+    long = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
+    assert not {name: lines for name, lines in long.items() if lines > 350}
+
+
+@pytest.mark.parametrize("module", sorted(modules()))
+def test_no_module_imports_another_modules_private_names(module):
+    private = []
+    for node in ast.walk(ast.parse(modules()[module].read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("collab_convert")):
+            private += [alias.name for alias in node.names if alias.name.startswith("_") and alias.name != "__version__"]
+    assert not private, f"{module} imports {private}"
+
+
+def test_every_module_is_named_in_the_architecture_doc():
+    """docs/architecture.md tells where things live: a module it does not name is one a newcomer cannot find."""
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    unnamed = []
+    for name, path in modules().items():
+        relative = path.relative_to(PACKAGE).as_posix()
+        if path.name == "__init__.py" and path.parent != PACKAGE:
+            relative = path.parent.relative_to(PACKAGE).as_posix() + "/"  # a subpackage: its folder
+        if relative not in doc:
+            unnamed.append(relative)
+    assert not unnamed, f"docs/architecture.md does not name {unnamed}"
