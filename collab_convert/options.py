@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from .decompose.methods import METHODS
 
@@ -25,6 +25,15 @@ def misnamed_device(device: str) -> str | None:
     if re.fullmatch(r"cpu|cuda(:\d+)?", device):
         return None
     return f"device must be cpu or cuda[:N], got {device!r}"
+
+
+def _known_device(value: str) -> str:
+    if misnamed_device(value):
+        raise ValueError(misnamed_device(value))
+    return value
+
+
+DeviceName = Annotated[str, AfterValidator(_known_device)]  # every job's --device, checked by one rule
 
 
 class _ModelInputs(BaseModel):
@@ -63,15 +72,8 @@ class _ModelInputs(BaseModel):
         "default 0.99), measured on held-out --calibration lines or built-in sentences.",
     )
     # Where the math runs (devices.py). Reading, writing, the small SVDs and the rotary fits stay on the CPU.
-    device: str = Field("cpu", description="Run the math on cpu or cuda[:N]: the fits, and with --calibration the "
+    device: DeviceName = Field("cpu", description="Run the math on cpu or cuda[:N]: the fits, and with --calibration the "
                         "model's calibration passes and everything that runs the model or refines after them.")
-
-    @field_validator("device")
-    @classmethod
-    def _known_device(cls, value: str) -> str:
-        if misnamed_device(value):
-            raise ValueError(misnamed_device(value))
-        return value
 
 
 class CompressOptions(_ModelInputs):
@@ -224,14 +226,7 @@ class VerifyOptions(BaseModel):
     min_top1: float | None = Field(None, description="Language models: exit 1 if next-token top-1 agreement is "
                                    "below this.")
     max_kl: float | None = Field(None, description="Language models: exit 1 if the mean next-token KL exceeds this.")
-    device: str = Field("cpu", description="Run both models on cpu or cuda[:N].")
-
-    @field_validator("device")
-    @classmethod
-    def _known_device(cls, value: str) -> str:
-        if misnamed_device(value):
-            raise ValueError(misnamed_device(value))
-        return value
+    device: DeviceName = Field("cpu", description="Run both models on cpu or cuda[:N].")
 
     @property
     def thresholds(self) -> dict[str, float | None]:

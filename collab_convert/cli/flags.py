@@ -38,8 +38,7 @@ def with_options(options_model, after: str):
                                      help=field.description, show_default=not field.is_required()),
                 annotation=cli_type(field),
             )
-            for name, field in sorted(options_model.model_fields.items(),
-                                      key=lambda item: item[0] not in options_model.__annotations__)
+            for name, field in sorted(options_model.model_fields.items(), key=_own_fields_first(options_model))
         ]
         position = next(i for i, p in enumerate(own) if p.name == after) + 1
         parameters = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
@@ -47,6 +46,13 @@ def with_options(options_model, after: str):
         return function
 
     return decorate
+
+
+def _own_fields_first(options_model):
+    """The model's own fields in the order it declares them, then the ones it inherits."""
+    own = list(options_model.__annotations__)
+    fields = list(options_model.model_fields)
+    return lambda item: (0, own.index(item[0])) if item[0] in own else (1, fields.index(item[0]))
 
 
 def build_options(options_model, values: dict):
