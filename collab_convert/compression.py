@@ -87,7 +87,8 @@ def _stages(source: SourceModel, form: Form, form_plan: FormPlan, options: Compr
     )
     form.write_record(source, reports, staged.folder, options, statistics)
     if options.distill_steps:  # checked with the plan: calibration texts and a language model are there
-        result.distillation = distill_checkpoint(source, staged.folder, fitted, options, progress)
+        result.distillation = distill_checkpoint(source, staged.folder, fitted, options, progress,
+                                                 form.tuned_tensors(source, reports))
     if held_out is not None and estimator is not None:  # calibration lends lines to measure the result on
         progress("measuring fidelity", 0, 1)
         result.fidelity = estimator.measured(staged.folder)

@@ -37,7 +37,11 @@ FORMAT_VERSION = 2
 # The forms, as options, families and records name them.
 COLLABORATIVE_FORM = "collaborative"  # the CP form: heads share one query and one key, each with a mixing vector
 SHARED_KEY_FORM = "shared-key"  # heads keep their queries and share one key (per RoPE frequency, where it rotates)
-FORMS = (COLLABORATIVE_FORM, SHARED_KEY_FORM)
+# A stock checkpoint of the same family with one key/value head: keys and values both compressed. It records
+# nothing in quantization_config (it loads without collab-convert), only its provenance (MULTI_QUERY_RECORD).
+MULTI_QUERY_FORM = "multi-query"
+FORMS = (COLLABORATIVE_FORM, SHARED_KEY_FORM, MULTI_QUERY_FORM)
+MULTI_QUERY_RECORD = "collab_convert"  # config.json key of the multi-query form's provenance; transformers ignores it
 _OLD_FORM_NAMES = {"rotary-shared-key": SHARED_KEY_FORM}  # what format 1 records called the shared-key form
 
 SHARED_QUERY = "shared_query.weight"

@@ -44,12 +44,14 @@ class _ModelInputs(BaseModel):
 
     # architectures/families.py: rotary decoders take the shared-key form only; GPT-2, OPT, GPTBigCode, BART and
     # T5 offer it
-    form: Literal["auto", "collaborative", "shared-key"] = Field(
+    form: Literal["auto", "collaborative", "shared-key", "multi-query"] = Field(
         "auto",
         description="collaborative: heads share one query and one key, each with a mixing vector (fewest "
         "parameters). shared-key: heads keep their queries and share one key (decoders: the most fidelity per "
-        "key-cache number; rotary decoders take only this form; GPT-2, OPT, GPTBigCode, BART and T5 offer both). auto: "
-        "shared-key for rotary decoders and with --key-cache, else collaborative.",
+        "key-cache number; rotary decoders take it; GPT-2, OPT, GPTBigCode, BART and T5 offer it too). "
+        "multi-query: rotary decoders (llama, mistral, qwen2, phi3) as a stock checkpoint with one key/value head, "
+        "keys and values compressed, that serving engines run. auto: shared-key for rotary decoders and with "
+        "--key-cache, multi-query with --kv-cache, else collaborative.",
     )
 
     calibration: Path | None = Field(
@@ -90,6 +92,13 @@ class CompressOptions(_ModelInputs):
         None, gt=0, le=1,
         description="Decoders in the shared-key form: keep this share of the key cache (e.g. 0.5), spread over "
         "layers (and rotary frequencies) where it keeps the most score energy. Instead of --rank.",
+    )
+    # The multi-query form: keys and values together, as a share of the original's KV cache.
+    kv_cache: float | None = Field(
+        None, gt=0, le=1,
+        description="Rotary decoders as a stock multi-query checkpoint: keep this share of the whole KV cache "
+        "(keys and values, e.g. 0.5) in one key/value head per layer, whose width serving engines are told. "
+        "Instead of --rank.",
     )
     energy: float | None = Field(
         None, gt=0, le=1,
@@ -142,7 +151,10 @@ class CompressOptions(_ModelInputs):
 
     @property
     def requested_form(self) -> str:
-        """The form asked for: --key-cache alone asks for the shared-key form, whose cache it sizes."""
+        """The form asked for: --key-cache alone asks for the shared-key form, --kv-cache alone for the multi-query
+        form, whose caches they size."""
+        if self.form == "auto" and self.kv_cache is not None:
+            return "multi-query"
         return "shared-key" if self.form == "auto" and self.key_cache is not None else self.form
 
     @field_validator("method")

@@ -73,6 +73,16 @@ class SharedKeyLayerAnalysis(LayerAnalysis):
     frequency_spectra: list[list[float]] = field(default_factory=list)
 
 
+@dataclass(kw_only=True)
+class MultiQueryLayerAnalysis(LayerAnalysis):
+    kv_heads: int
+    # per RoPE frequency (fastest first), the score energy each shared key direction carries, as shares of the
+    # layer's total
+    frequency_spectra: list[list[float]] = field(default_factory=list)
+    # the output energy each value latent direction carries, as shares of the layer's total, largest first
+    value_spectrum: list[float] = field(default_factory=list)
+
+
 @dataclass
 class RankPrediction(_Data):
     """What the whole model gets at one rank."""
@@ -86,6 +96,10 @@ class RankPrediction(_Data):
     mean_logit_error: float | None = None  # with calibration
     cosine_mean: float | None = None  # measured on probe texts, with calibration or a target
     cosine_p01: float | None = None
+    # the multi-query form: the values' numbers per token (all layers), and the share of their output energy lost
+    value_cache_per_token: int | None = None
+    value_cache_before: int | None = None
+    mean_value_error: float | None = None
 
 
 @dataclass
@@ -147,6 +161,18 @@ class SharedKeyLayerReport(LayerReport):
     frequency_ranks: list[int] = field(default_factory=list)
     pass_rank: int = 0
     key_spectrum: list[float] = field(default_factory=list)  # the kept shared key's per-slot scale, largest first
+
+
+@dataclass(kw_only=True)
+class MultiQueryLayerReport(LayerReport):
+    """A layer in the multi-query form: one key/value head of width `rank`; `relative_error` is the key's lost
+    score energy."""
+
+    kv_heads: int  # before: the layer's key/value heads
+    # complex dimensions of the key per RoPE frequency (fastest first): the same in every layer
+    frequency_ranks: list[int] = field(default_factory=list)
+    value_lost_energy: float = 0.0  # share of the values' output energy the latent's PCA dropped, before refinement
+    key_spectrum: list[float] = field(default_factory=list)  # the kept key's per-slot scale, largest first
 
 
 @dataclass

@@ -99,9 +99,10 @@ def calibration_texts(options: CompressOptions) -> tuple[list[str], ProbeTexts]:
 
 
 def distill_checkpoint(source: SourceModel, folder: Path, texts: list[str], options: CompressOptions,
-                       progress: Progress) -> dict[str, Any]:
-    """--distill-steps: tune the written checkpoint's collaborative tensors together against the original
-    (integration/distillation.py) and write the best state over them in place; what happened, for the report."""
+                       progress: Progress, names: list[str] | None = None) -> dict[str, Any]:
+    """--distill-steps: tune the written checkpoint's collaborative tensors (or the tensors `names`, where the form
+    says which) together against the original (integration/distillation.py) and write the best state over them
+    in place; what happened, for the report."""
     from .integration.distillation import distill
     from .io.reader import TensorReader
     from .io.writer import overwrite_tensors
@@ -109,7 +110,7 @@ def distill_checkpoint(source: SourceModel, folder: Path, texts: list[str], opti
     progress("distilling", 0, options.distill_steps)
     with reused_heap():  # every step allocates the same activations afresh (cpu.reused_heap)
         tuned, report = distill(source.folder, folder, texts, options.calibration_max_length, options.distill_steps,
-                                options.seed, progress, options.device)
+                                options.seed, progress, options.device, names)
     reader = TensorReader(folder)
     try:
         on_disk = set(reader.names())

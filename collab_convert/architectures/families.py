@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UnsupportedModelError
-from ..format import COLLABORATIVE_FORM, SHARED_KEY_FORM, HeadCounts
+from ..format import COLLABORATIVE_FORM, MULTI_QUERY_FORM, SHARED_KEY_FORM, HeadCounts
 from ..modeling.forwards import bart_forward, gpt2_forward, gpt_bigcode_forward, mpnet_forward, opt_forward, t5_forward
 from ..modeling.shared_key import bart_shared_key_forward, t5_shared_key_forward
 from .layouts import FusedProjection, Layout, SeparateProjections
+from .multi_query import MultiQueryProjections
 from .shared_key import SharedKeyProjections
 
 
@@ -102,6 +103,12 @@ def collaborative(layout: Layout, forward: Callable | None = None) -> FormOffer:
 def shared_key(layout: SharedKeyProjections, forward: Callable | None = None, requires=()) -> FormOffer:
     """The shared-key form: heads keep their queries and share one key (per RoPE frequency, where RoPE rotates)."""
     return FormOffer(SHARED_KEY_FORM, layout, forward, requires)
+
+
+def multi_query(layout: MultiQueryProjections, requires=()) -> FormOffer:
+    """The multi-query form: a stock checkpoint of the family with one key/value head of width W, keys and values
+    compressed; loads without collab-convert, runs in serving engines."""
+    return FormOffer(MULTI_QUERY_FORM, layout, None, requires)
 
 
 def _handed_position_bias(module, arguments: dict[str, Any]):
@@ -259,7 +266,7 @@ FAMILIES: tuple[Family, ...] = (
 
 _DECODER_LAYERS = (Site(r"(^|\.)layers\.\d+\.self_attn$", causal=True),)
 _ROTARY = ((COLLABORATIVE_FORM, "it is a rotary decoder: it takes the shared-key form only (RoPE does not commute "
-                                "with the CP form's shared query)"),)
+                                "with the CP form's shared query); drop --form collaborative"),)
 
 
 def _kv_heads(config: dict[str, Any]) -> int:
@@ -269,22 +276,36 @@ def _kv_heads(config: dict[str, Any]) -> int:
     return value
 
 
-def _rotary_decoder(name: str, model_types: tuple[str, ...], layout: SharedKeyProjections, **fields) -> Family:
+def _rotary_decoder(name: str, model_types: tuple[str, ...], layout: SharedKeyProjections, *more: FormOffer,
+                    **fields) -> Family:
     """A rotary decoder: per-head queries kept, one shared key per frequency (decompose/shared_key.py). RoPE
-    itself, masks, sliding windows and soft-capping stay the model's own (modeling/shared_key.py)."""
+    itself, masks, sliding windows and soft-capping stay the model's own (modeling/shared_key.py). `more`: the
+    other forms it offers."""
     return Family(name=name, model_types=model_types, sites=fields.pop("sites", _DECODER_LAYERS),
-                  offers=(shared_key(layout),), not_offered=_ROTARY, **fields)
+                  offers=(shared_key(layout), *more), not_offered=fields.pop("not_offered", _ROTARY), **fields)
+
+
+# The stock multi-query shape is one head_dim, one RoPE frequency list and plain 1/sqrt(d) attention: families
+# with per-head QK-norm, soft-capping or scalings of their own keep the shared-key form.
+_STOCK = ("the multi-query form writes stock llama, mistral and qwen2 checkpoints; other model types keep the "
+          "shared-key form (--key-cache)")
 
 
 ROTARY_FAMILIES: tuple[Family, ...] = (
     _rotary_decoder("llama", ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "gemma", "gemma2", "granite"),
-                    SharedKeyProjections()),
+                    SharedKeyProjections(),
+                    multi_query(MultiQueryProjections(), requires=(("model_type", ("llama", "mistral", "qwen2"),
+                                                                    _STOCK),))),
     # The norm acts on each head's query and key before RoPE: it stays, and the normalised keys are shared.
     _rotary_decoder("qk_norm", ("qwen3", "qwen3_moe", "gemma3_text"),
                     SharedKeyProjections(query_norm="q_norm", key_norm="k_norm")),
     _rotary_decoder("olmo2", ("olmo2",), SharedKeyProjections(query_norm="q_norm", key_norm="k_norm",
                                                               norm_over_heads=True, input_norm=None)),
-    _rotary_decoder("phi3", ("phi3",), SharedKeyProjections(fused="qkv_proj"), kv_heads=_kv_heads),
+    _rotary_decoder("phi3", ("phi3",), SharedKeyProjections(fused="qkv_proj"), kv_heads=_kv_heads,
+                    not_offered=_ROTARY + ((MULTI_QUERY_FORM, "transformers' Phi-3 config checks RoPE factors against "
+                                            "hidden_size / num_attention_heads, not head_dim, so a stock Phi-3 cannot "
+                                            "hold one wider key/value head; the shared-key form keeps it "
+                                            "(--key-cache)"),)),
     # Partial rotary; qk_layernorm (optional) normalises each head's query and key.
     _rotary_decoder("phi", ("phi",), SharedKeyProjections(output="dense", query_norm="q_layernorm",
                                                           key_norm="k_layernorm")),

@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import UnsupportedModelError
-from ..format import COLLABORATIVE_FORM, SHARED_KEY_FORM
+from ..format import COLLABORATIVE_FORM, MULTI_QUERY_FORM, SHARED_KEY_FORM
 from .families import FAMILIES, POSITIONS_AFTER_PADDING, REFUSED, Family, FormOffer
 
 # What `--form` asks for, in the words its errors use.
 _ASKED = {SHARED_KEY_FORM: "the shared-key form (--form shared-key, --key-cache)",
-          COLLABORATIVE_FORM: "the collaborative (CP) form (--form collaborative)"}
+          COLLABORATIVE_FORM: "the collaborative (CP) form (--form collaborative)",
+          MULTI_QUERY_FORM: "the multi-query form (--form multi-query, --kv-cache)"}
 
 
 def family_for(config: dict[str, Any], form: str = "auto") -> tuple[Family, FormOffer]:
@@ -20,8 +21,9 @@ def family_for(config: dict[str, Any], form: str = "auto") -> tuple[Family, Form
     if offer is None:
         why = dict(family.not_offered).get(form)
         if why:
-            raise UnsupportedModelError(f"{family.name}: {why}; drop --form {form}")
-        names = sorted({t for f in FAMILIES if f.offer(form) for t in f.model_types})
+            raise UnsupportedModelError(f"{family.name}: {why}")
+        names = sorted({t for f in FAMILIES if f.offer(form) for t in f.model_types
+                        if _admits(f.offer(form).requires, {"model_type": t})})
         raise UnsupportedModelError(f"{_ASKED.get(form, form)} is not offered for model_type "
                                     f"'{config.get('model_type')}' (offered for: {', '.join(names)})")
     _check_requirements(offer.requires, config)
@@ -53,6 +55,11 @@ def family_named(name: str) -> Family:
 
 def supported_model_types() -> list[str]:
     return sorted(t for f in FAMILIES for t in f.model_types)
+
+
+def _admits(requires, config: dict[str, Any]) -> bool:
+    """Whether a config passes the requirements on the keys it has (the others are not judged)."""
+    return all(config.get(key) in allowed for key, allowed, _ in requires if key in config)
 
 
 def _check_requirements(requires, config: dict[str, Any]) -> None:

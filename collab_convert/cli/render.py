@@ -73,33 +73,16 @@ def print_analysis(result) -> None:
     form = form_named(result.form)
     for view in form.analysis_tables(result):
         stdout.print(table(view.title, view.columns, view.rows))
-    stdout.print(_candidate_table(result))
     stdout.print(form.analysis_advice(result), highlight=False)
 
 
-def _candidate_table(result) -> RichTable:
-    calibrated = any(p.mean_logit_error is not None for p in result.predictions)
-    measured = any(p.cosine_mean is not None for p in result.predictions)
-    columns = ["rank", "Q/K params", "key cache/token", "error"] + (["logit error"] if calibrated else [])
-    columns += ["cosine mean/p1"] if measured else []
-    shown = table(f"Candidate ranks, all {len(result.layers)} layers together", columns)
-    first = result.predictions[0] if result.predictions else None
-    if first:
-        row = ["original", f"{first.parameters_before:,}", f"{first.key_cache_before:,}", "0"]
-        shown.add_row(*row, *(["0"] if calibrated else []), *(["1/1"] if measured else []))
-    for p in result.predictions:
-        row = [str(p.rank), f"{p.parameters:,} ({100 * p.parameters / p.parameters_before:.0f}%)",
-               f"{p.key_cache_per_token:,}", f"{p.mean_relative_error:.3f}"]
-        row += [f"{p.mean_logit_error:.3f}"] if calibrated else []
-        row += [f"{p.cosine_mean:.4f}/{p.cosine_p01:.4f}"] if measured else []
-        shown.add_row(*row)
-    return shown
-
-
 def print_plan(checked) -> None:
+    from ..forms import form_named
+
     stdout.print(
         f"OK: {checked.model} ({checked.family}, {checked.form} form), {len(checked.layers)} attention layers at "
-        f"{checked.size} -> {checked.output}. Q/K parameters {checked.parameters_before:,} -> "
+        f"{checked.size} -> {checked.output}. {form_named(checked.form).terms.parameters_line} "
+        f"{checked.parameters_before:,} -> "
         f"{checked.parameters_after:,}.\nNext: run the same command without --dry-run."
     )
 
@@ -110,16 +93,17 @@ def print_compression(result, rank) -> None:
 
     labels = layer_labels([layer.name for layer in result.layers])
     kind = "auto ranks" if rank == "auto" else f"rank {rank}" if rank is not None else "shared key"
-    columns, cells = form_named(result.form).layer_columns(result)
+    form = form_named(result.form)
+    columns, cells = form.layer_columns(result)
     shown = table(f"Collaborative attention ({kind}): {result.model}",
-                  ["layer", *columns, "Q/K params before", "after"])
+                  ["layer", *columns, f"{form.terms.parameters_short} before", "after"])
     for layer, own in zip(result.layers, cells, strict=True):
         shown.add_row(labels[layer.name], *own, f"{layer.parameters_before:,}", f"{layer.parameters_after:,}")
     stdout.print(shown)
     stdout.print(
-        f"Wrote {result.output} in {result.seconds:.1f} s. Q/K parameters {result.parameters_before:,} -> "
-        f"{result.parameters_after:,}; mean relative error {result.mean_relative_error:.4f}.\n"
-        f"Next: python -c \"import collab_convert; m = collab_convert.load_model('{result.output}')\""
+        f"Wrote {result.output} in {result.seconds:.1f} s. {form.terms.parameters_line} {result.parameters_before:,} "
+        f"-> {result.parameters_after:,}; mean relative error {result.mean_relative_error:.4f}.\n"
+        f"Next: {form.next_step(result)}"
     )
 
 

@@ -139,3 +139,36 @@ def shared_key_cost(shape: SharedKeyShape, width: int, complex_core: int | None 
         score_flops={n: n * n * shape.num_heads * width for n in SEQUENCE_LENGTHS},
         key_cache_per_token=width,
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionCost(QueryKeyCost):
+    """The whole attention block (query, key, value and output projections), where values change too: the
+    multi-query form. Score flops count the scores and the weighted sum of values; the cache holds both."""
+
+    value_cache_per_token: int
+
+    def cached(self, keys_cached: bool) -> "AttentionCost":
+        return self if keys_cached else replace(self, key_cache_per_token=0, value_cache_per_token=0)
+
+    def as_dict(self) -> dict:
+        data = super().as_dict()
+        data["kv_cache_per_token"] = self.key_cache_per_token + self.value_cache_per_token
+        return data
+
+
+def attention_cost(shape: SharedKeyShape, width: int | None = None, has_bias: bool = False) -> AttentionCost:
+    """The attention block of a grouped-query layer (width None: the original, G key/value heads of d), or of its
+    multi-query form: one key/value head of `width`, each query head `width` wide."""
+    d, heads = shape.input_dim, shape.num_heads
+    head = shape.head_dim if width is None else width
+    kv = shape.key_width if width is None else width
+    projections = d * heads * head + 2 * d * kv + heads * head * d
+    return AttentionCost(
+        rank=width,
+        parameters=projections + ((heads * head + 2 * kv) if has_bias else 0),
+        projection_flops_per_token=projections,
+        score_flops={n: 2 * n * n * heads * head for n in SEQUENCE_LENGTHS},
+        key_cache_per_token=kv,
+        value_cache_per_token=kv,
+    )

@@ -1,8 +1,9 @@
 """Refining a shared rotary key against the original layer's attention (pure torch: no model, no files).
 
-The weighted PCA (rotary.py) keeps the most score energy, but softmax only listens to the keys that win.
-Layer by layer, Adam adjusts the key mixing and the per-head cores so that each head's attention on
-calibration sequences (causal in decoders; T5's position bias added) matches the original's. Stochastic, as
+The weighted PCA (shared_key.py) keeps the most score energy, but softmax only listens to the keys that win.
+Layer by layer, Adam adjusts the key mixing and the per-head cores (and, for the multi-query form, the value
+latent's down- and up-projections, value_latent.py) so that each head's attention on calibration sequences
+(causal in decoders; T5's position bias added) matches the original's, through its values and output projection. Stochastic, as
 the CP refinement is: each step sees a few sequences and a few sampled query positions, so its cost does not
 grow with the calibration set; a held-out tenth of the sequences decides when to stop and which parameters to
 keep (the start counts, so the result is never worse there than the PCA it started from).
@@ -15,9 +16,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..devices import HOST, Device, moved
-from .shared_key import HeadGeometry, SharedKeyFactors, slot_frequencies
 from .refinement import adam_with_held_out
 from .rotary_ops import query_in_shared_basis, rotate_half_dims, rotate_shared_key
+from .shared_key import HeadGeometry, SharedKeyFactors, slot_frequencies
+from .value_latent import ValueLatent
 
 
 @dataclass
@@ -51,6 +53,7 @@ class SharedKeyRefinement:
     objective: str = "attention KL"
     loss_before: float = 0.0  # the objective on the held-out sequences (relative output error, or KL)
     loss_after: float = 0.0
+    values: ValueLatent | None = None  # the refined value latent, where one was refined with the key
 
 
 def _batch(samples: list[SharedKeySample], rows: int | None, generator, device=HOST) -> tuple:
@@ -105,9 +108,10 @@ class _Problem:
         self.valid = row_valid[:, None, :].expand(-1, geometry.num_heads, -1)
         rotated_keys = rotate_half_dims(keys.transpose(1, 2), cos, sin, geometry.rotary_dim)  # (B, G, m, d)
         grouped = rotated_keys[:, group_of_head]  # (B, H, m, d)
-        self.values = None
+        self.values = self.stacked_values = None
         if values is not None and setting.output_weight is not None:
             self.values = values.transpose(1, 2)[:, group_of_head]  # (B, H, m, d)
+            self.stacked_values = values.flatten(2)  # (B, m, G d): what a value latent reads
         with torch.no_grad():
             self.target = self._log_softmax(self.queries @ grouped.transpose(-1, -2))
             self.target_p = self.target.exp()
@@ -123,9 +127,17 @@ class _Problem:
             scores = scores + self.bias
         return torch.log_softmax(scores.masked_fill(~self.allowed, float("-inf")), dim=-1)
 
-    def _output(self, probabilities: torch.Tensor) -> torch.Tensor:
-        heads = (probabilities.nan_to_num(0.0) @ self.values).transpose(1, 2).flatten(2)  # (B, rows, H d)
-        return heads @ self.setting.output_weight.T
+    def _output(self, probabilities: torch.Tensor, down: torch.Tensor | None = None,
+                up: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output (B, rows, D); with a value latent, every head averages the latent and reads its
+        group's values back through `up`."""
+        probabilities = probabilities.nan_to_num(0.0)
+        if down is None:
+            heads = probabilities @ self.values  # (B, H, rows, d)
+        else:
+            averaged = probabilities @ (self.stacked_values @ down.T)[:, None]  # (B, H, rows, W)
+            heads = averaged @ up[self.geometry.group_of_head.to(up.device)].transpose(-1, -2)
+        return heads.transpose(1, 2).flatten(2) @ self.setting.output_weight.T
 
     def predicted(self, mixing: torch.Tensor, core: torch.Tensor, pass_core: torch.Tensor) -> torch.Tensor:
         shared_key = rotate_shared_key(self.keys @ mixing.T, self.key_cos, self.key_sin, self.slots)  # (B, m, K)
@@ -136,21 +148,23 @@ class _Problem:
         kl = (self.target_p * (self.target - predicted)).nan_to_num(0.0).sum(-1)
         return kl[self.valid].sum()
 
-    def loss(self, *parameters) -> tuple[torch.Tensor, float]:
+    def loss(self, mixing, core, pass_core, down=None, up=None) -> tuple[torch.Tensor, float]:
         """(the objective's sum over this batch, its normaliser)."""
-        predicted = self.predicted(*parameters)
+        predicted = self.predicted(mixing, core, pass_core)
         if self.values is None:
             return self.kl_sum(predicted), float(self.valid.sum())
-        error = ((self._output(predicted.exp()) - self.target_output) ** 2).sum(-1)
+        error = ((self._output(predicted.exp(), down, up) - self.target_output) ** 2).sum(-1)
         return error[self.rows].sum(), self.output_energy
 
 
 def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors, geometry: HeadGeometry,
                       setting: AttentionSetting, steps: int = 200, learning_rate: float = 6e-2,
                       batch_sequences: int = 8, query_rows: int = 32, seed: int = 0,
-                      device: Device = HOST) -> SharedKeyRefinement:
-    """Adam on the mean attention KL(original || shared) per head and query (see the module docstring). The steps
-    run on `device`; the samples wait in host memory, and the result comes back there."""
+                      device: Device = HOST, values: ValueLatent | None = None) -> SharedKeyRefinement:
+    """Adam on the error of the attention output through the output projection where the samples carry values
+    (else the mean attention KL(original || shared) per head and query; see the module docstring), with a value
+    latent refined together with the key where one is given. The steps run on `device`; the samples wait in host
+    memory, and the result comes back there."""
     slots = slot_frequencies(factors.ranks).to(device)
     setting = replace(setting, **moved({"cos": setting.cos, "sin": setting.sin, "output_weight": setting.output_weight,
                                         "position_bias": setting.position_bias}, device))
@@ -159,8 +173,10 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
     checks = [_Problem(_batch(check[i:i + 8], None, None, device), geometry, setting, slots)
               for i in range(0, len(check), 8)]
     check_rows = sum(int(p.valid.sum()) for p in checks)
-    parameters = [t.to(device, torch.float32).clone().requires_grad_(True)
-                  for t in (factors.key_mixing, factors.query_core, factors.pass_core)]
+    if values is not None and checks[0].values is None:
+        raise ValueError("refining a value latent needs samples with values and the layer's output projection")
+    start = (factors.key_mixing, factors.query_core, factors.pass_core) + ((values.down, values.up) if values else ())
+    parameters = [t.to(device, torch.float32).clone().requires_grad_(True) for t in start]
 
     def held_out() -> float:
         with torch.no_grad():
@@ -169,7 +185,7 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
 
     def held_out_kl() -> float:
         with torch.no_grad():
-            return float(sum(p.kl_sum(p.predicted(*parameters)) for p in checks)) / max(check_rows, 1)
+            return float(sum(p.kl_sum(p.predicted(*parameters[:3])) for p in checks)) / max(check_rows, 1)
 
     generator = torch.Generator().manual_seed(seed)
     kl_before = held_out_kl()
@@ -187,5 +203,7 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
     dtype = factors.key_mixing.dtype
     refined = replace(factors, key_mixing=best[0].to(HOST, dtype), query_core=best[1].to(HOST, dtype),
                       pass_core=best[2].to(HOST, dtype))
+    if values is not None:
+        values = replace(values, down=best[3].to(HOST, values.down.dtype), up=best[4].to(HOST, values.up.dtype))
     objective = "attention output" if checks[0].values is not None else "attention KL"
-    return SharedKeyRefinement(refined, kl_before, kl_after, taken, objective, initial, best_loss)
+    return SharedKeyRefinement(refined, kl_before, kl_after, taken, objective, initial, best_loss, values)

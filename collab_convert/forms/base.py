@@ -22,6 +22,21 @@ from ..results import AnalysisResult, CompressResult, LayerAnalysis, LayerReport
 ENERGY_SHARES = (0.90, 0.95, 0.99)  # the shares of energy analyze counts dimensions for
 
 
+@dataclass(frozen=True)
+class Terms:
+    """What a form's costs are called in the summary, report.md and the terminal, and which cache figure of a
+    layer's costs (decompose/costs.py) they count."""
+
+    parameters: str = "query/key parameters"
+    parameters_short: str = "Q/K params"
+    parameters_line: str = "Q/K parameters"
+    cache: str = "key cache per token (decoders)"
+    cache_short: str = "key cache / token"
+    cache_key: str = "key_cache_per_token"
+    compute: str = "query/key multiply-adds per token (projections plus scores against n keys)"
+    compute_short: str = "Q/K MACs per token"
+
+
 @dataclass
 class FormPlan:
     """A form's checked plan: each layer's size and query/key parameters before and after, what the form keeps in
@@ -87,6 +102,10 @@ class Form(ABC):
                      statistics: Statistics) -> None:
         """config.json: the original's, with what was done, so that the checkpoint says how to load it."""
 
+    def tuned_tensors(self, source: SourceModel, reports: list[LayerReport]) -> list[str] | None:
+        """The checkpoint tensors --distill-steps tunes; None: the collaborative modules' own parameters."""
+        return None
+
     # --- analyze ------------------------------------------------------------------------------------------------
     @abstractmethod
     def analyze(self, source: SourceModel, options: AnalyzeOptions, settings: CompressOptions,
@@ -96,6 +115,7 @@ class Form(ABC):
 
     # --- how results read: the form's presentation module (functions of these names) ----------------------------
     presentation: ModuleType
+    terms: Terms = Terms()
 
     def what_it_does(self) -> tuple[str, str]:
         """For the model card: what every layer became, and how it works, in a clause each."""
@@ -129,6 +149,10 @@ class Form(ABC):
         """What analyze's figures mean, and what to run next."""
         return self.presentation.analysis_advice(result)
 
+    def next_step(self, result: CompressResult) -> str:
+        """What to run with the checkpoint: it loads through our quantizer."""
+        return f"python -c \"import collab_convert; m = collab_convert.load_model('{result.output}')\""
+
     def spectra(self, layers) -> list[tuple[str, list[tuple[str, list[float]]]]]:
         """The spectra plot's panels, (title, [(layer, singular values)]), from layer reports or an analysis's."""
         return self.presentation.spectra(layers)
@@ -150,3 +174,24 @@ def predictions(layers: list[LayerAnalysis], sizes: list[int]) -> list[RankPredi
             mean_logit_error=None if None in logit else sum(logit) / len(logit),
         ))
     return found
+
+
+def candidate_table(result: AnalysisResult) -> Table:
+    """analyze's candidates, all layers together: their query/key parameters, key cache and errors (with
+    calibration, the logit error and the measured cosine)."""
+    calibrated = any(p.mean_logit_error is not None for p in result.predictions)
+    measured = any(p.cosine_mean is not None for p in result.predictions)
+    columns = ["rank", "Q/K params", "key cache/token", "error"] + (["logit error"] if calibrated else [])
+    columns += ["cosine mean/p1"] if measured else []
+    table = Table(f"Candidate ranks, all {len(result.layers)} layers together", columns)
+    first = result.predictions[0] if result.predictions else None
+    if first:
+        row = ["original", f"{first.parameters_before:,}", f"{first.key_cache_before:,}", "0"]
+        table.rows.append(row + (["0"] if calibrated else []) + (["1/1"] if measured else []))
+    for p in result.predictions:
+        row = [str(p.rank), f"{p.parameters:,} ({100 * p.parameters / p.parameters_before:.0f}%)",
+               f"{p.key_cache_per_token:,}", f"{p.mean_relative_error:.3f}"]
+        row += [f"{p.mean_logit_error:.3f}"] if calibrated else []
+        row += [f"{p.cosine_mean:.4f}/{p.cosine_p01:.4f}"] if measured else []
+        table.rows.append(row)
+    return table

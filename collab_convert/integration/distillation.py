@@ -54,12 +54,11 @@ class Distillation:
 
 
 def distill(original: Path, result: Path, texts: list[str], max_length: int, steps: int, seed: int = 0,
-            progress: Progress = no_progress, device: Device = HOST) -> tuple[dict[str, torch.Tensor], Distillation]:
-    """Tune the collaborative tensors of the checkpoint at `result` against the model at `original`.
-
-    Returns the best state of the tuned tensors, by parameter name in the loaded model (the caller writes them
-    into the checkpoint), and what happened.
-    """
+            progress: Progress = no_progress, device: Device = HOST,
+            names: list[str] | None = None) -> tuple[dict[str, torch.Tensor], Distillation]:
+    """Tune the collaborative tensors of the checkpoint at `result` (or the checkpoint tensors `names`) against the
+    model at `original`; the best state of the tuned tensors, by parameter name in the loaded model (the caller
+    writes them into the checkpoint), and what happened."""
     from transformers import AutoModelForCausalLM
 
     from .batches import right_padded
@@ -69,7 +68,7 @@ def distill(original: Path, result: Path, texts: list[str], max_length: int, ste
     tokenizer = load_tokenizer(original, "distillation")
     teacher = for_measuring(AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32)).to(device)
     student = for_measuring(load_model(result, AutoModelForCausalLM, dtype=torch.float32)).to(device)
-    tuned = _tunable(student)
+    tuned = _tunable(student, names)
     training, held_out = _split(tokenizer(texts, truncation=True, max_length=max_length)["input_ids"])
     generator = torch.Generator().manual_seed(seed)
     optimiser = torch.optim.Adam([{"params": [p], "lr": RELATIVE_STEP * float(p.detach().pow(2).mean().sqrt())}
@@ -126,8 +125,11 @@ def _split(encoded: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
     return [ids for i, ids in enumerate(encoded) if i % stride or i // stride >= held], held_out
 
 
-def _tunable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The collaborative parameters by name in the model; everything else frozen."""
+def _tunable(model: torch.nn.Module, names: list[str] | None = None) -> dict[str, torch.nn.Parameter]:
+    """The collaborative parameters (or those of the checkpoint tensors `names`) by name in the model; everything
+    else frozen."""
+    if names is not None:
+        return _named(model, names)
     model.requires_grad_(False)
     tuned = {}
     for module_name, module in model.named_modules():
@@ -138,6 +140,19 @@ def _tunable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
                 tuned[f"{module_name}.{name}"] = parameter.requires_grad_(True)
     if not tuned:
         raise ValueError("the checkpoint has no collaborative parameters to distil")
+    return tuned
+
+
+def _named(model: torch.nn.Module, names: list[str]) -> dict[str, torch.nn.Parameter]:
+    """The parameters of these checkpoint tensors (named with or without the head's base-model prefix); everything
+    else frozen."""
+    model.requires_grad_(False)
+    wanted, tuned = set(names), {}
+    for name, parameter in model.named_parameters():
+        if name in wanted or name.split(".", 1)[-1] in wanted:
+            tuned[name] = parameter.requires_grad_(True)
+    if len(tuned) != len(wanted):
+        raise ValueError(f"the checkpoint's model has {len(tuned)} of the {len(wanted)} tensors to distil")
     return tuned
 
 

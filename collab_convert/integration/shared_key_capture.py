@@ -29,15 +29,17 @@ class SharedKeyCalibration:
     statistics: object  # decompose.shared_key.KeyStatistics, means per token
     samples: list  # decompose.shared_key_refinement.SharedKeySample, float16 to halve their memory
     setting: object | None  # decompose.shared_key_refinement.AttentionSetting
+    value_moment: torch.Tensor | None = None  # (G d, G d): E[v v^T] per token, where asked for (value_latent.py)
 
 
 class SharedKeyObserver:
     """Forward pre-hooks on attention modules that compute the module's own queries, keys (and values)
     from the hidden states it receives and add them to that layer's record."""
 
-    def __init__(self, layout, position_bias, layers: dict, keep_samples: int, current: CurrentBatch):
+    def __init__(self, layout, position_bias, layers: dict, keep_samples: int, current: CurrentBatch,
+                 value_moments: bool = False):
         self.layout, self.read_position_bias, self.layers = layout, position_bias, layers
-        self.keep, self.current = keep_samples, current
+        self.keep, self.current, self.value_moments = keep_samples, current, value_moments
         self.found = {prefix: SharedKeyCalibration(None, [], None) for prefix in layers}
         self.tokens = dict.fromkeys(layers, 0)
 
@@ -48,6 +50,7 @@ class SharedKeyObserver:
     def hook(self, prefix: str):
         from ..decompose.shared_key import statistics_of
         from ..decompose.shared_key_refinement import AttentionSetting, SharedKeySample
+        from ..decompose.value_latent import value_moment
 
         geometry, heads, causal = self.layers[prefix]
         record, layout, current = self.found[prefix], self.layout, self.current
@@ -57,11 +60,15 @@ class SharedKeyObserver:
             source = kwargs.get("key_value_states")  # encoder-decoder attention: keys and values from the encoder
             source = hidden if source is None else source
             queries, keys = layout.original_queries_keys(module, hidden, heads, source)
-            values = layout.original_values(module, source, heads) if self.keep else queries
+            wanted = self.keep or self.value_moments
+            values = layout.original_values(module, source, heads) if wanted else queries
             real = zip(current.sequences(queries), current.sequences(keys), current.sequences(values), strict=True)
             for query, key, value in real:  # each cut to its real tokens: no padding counted
                 more = statistics_of(query.float(), key.float(), geometry)
                 record.statistics = more if record.statistics is None else record.statistics + more
+                if self.value_moments:
+                    moment = value_moment(value.float())
+                    record.value_moment = moment if record.value_moment is None else record.value_moment + moment
                 self.tokens[prefix] += query.shape[0]
                 if len(record.samples) < self.keep:
                     record.samples.append(SharedKeySample(*(host_copy(t, torch.float16) for t in (query, key, value))))
@@ -90,6 +97,8 @@ class SharedKeyObserver:
         if record.statistics is None:
             raise BadInputError(f"calibration never reached {prefix}")
         record.statistics = record.statistics.scaled(1 / self.tokens[prefix]).to(HOST)
+        if record.value_moment is not None:
+            record.value_moment = (record.value_moment / self.tokens[prefix]).to(HOST)
         return record
 
 
@@ -106,15 +115,16 @@ def rotary_tables(kwargs: dict, hidden: torch.Tensor):
 def collect_shared_key_statistics(folder: Path, layout, position_bias, layers: dict, texts: list[str],
                                   max_length: int = 128, progress=None, keep_samples: int = 0,
                                   token_budget: int | None = None, scratch: Path | None = None,
-                                  width: int | None = None, device: Device = HOST):
+                                  width: int | None = None, device: Device = HOST, value_moments: bool = False):
     """Query energy and key second moments of every shared-key layer on real text (decompose/shared_key.py), as
     means per token, and up to `keep_samples` raw sequences per layer. `layers` maps a prefix to (geometry, head
     counts, causal); `layout` computes a module's own queries, keys and values; `position_bias` reads a relative
     position bias from a module's arguments (a family's, or None). The queries and keys are the module's own, after
     any QK-norm and before RoPE, computed from the hidden states it receives; RoPE tables, scale and soft-capping
     are read from the same call. Returns the records by prefix and the batches that ran. With a `scratch` folder a
-    block at a time (model_runs.py)."""
+    block at a time (model_runs.py). `value_moments`: also each layer's value second moment (the multi-query
+    form's value latent)."""
     current = CurrentBatch()
-    observer = SharedKeyObserver(layout, position_bias, layers, keep_samples, current)
+    observer = SharedKeyObserver(layout, position_bias, layers, keep_samples, current, value_moments)
     run = CalibrationRun(max_length, token_budget, width, scratch, device)
     return observe_calibration(folder, list(layers), texts, observer, current, run, progress)

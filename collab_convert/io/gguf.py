@@ -9,11 +9,16 @@ time) and written whole or not at all. Needs the optional `gguf` and `accelerate
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
 
 from ..errors import BadInputError
+
+
+SOURCE_NOTE = "gguf_source.json"  # in a dequantised folder: the GGUF it came from (a GGUF export copies its tokenizer)
+CACHE_VERSION = "2"  # 2: folders carry SOURCE_NOTE
 
 
 def is_gguf(path: Path) -> bool:
@@ -38,7 +43,7 @@ def gguf_folder(path: Path) -> Path:
     path = path.resolve()
     _check_magic(path)
     stat = path.stat()
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{CACHE_VERSION}|{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     folder = cache_root() / f"{path.stem}-{key}"
     if (folder / "config.json").is_file():
         return folder
@@ -82,3 +87,15 @@ def _convert(path: Path, target: Path) -> None:
     target.mkdir()
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
+    (target / SOURCE_NOTE).write_text(json.dumps({"gguf": str(path)}) + "\n", encoding="utf-8")
+
+
+def source_of(folder: Path) -> str | None:
+    """The GGUF file a folder (or a checkpoint compressed from it, which carries the note along) came from."""
+    note = Path(folder) / SOURCE_NOTE
+    if not note.is_file():
+        return None
+    try:
+        return str(json.loads(note.read_text(encoding="utf-8"))["gguf"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

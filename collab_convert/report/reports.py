@@ -47,11 +47,12 @@ def markdown_report(result: "CompressResult", form) -> str:
     if result.calibration:
         lines += _calibration_lines(result)
     columns, cells = form.layer_columns(result)
+    terms = form.terms
     lines += [
         "",
         "| layer | " + " | ".join(columns) + " | params before | params after | "
-        + " | ".join(f"Q/K MACs per token n={n} before/after" for n in SEQUENCE_LENGTHS)
-        + " | key cache / token before/after |",
+        + " | ".join(f"{terms.compute_short} n={n} before/after" for n in SEQUENCE_LENGTHS)
+        + f" | {terms.cache_short} before/after |",
         "|---|" + "---:|" * (len(columns) + 2 + len(SEQUENCE_LENGTHS) + 1),
     ]
     for layer, own in zip(result.layers, cells, strict=True):
@@ -63,7 +64,7 @@ def markdown_report(result: "CompressResult", form) -> str:
         lines.append(
             f"| {layer.name} | " + " | ".join(own) + f" | {layer.parameters_before:,} | {layer.parameters_after:,} | "
             + " | ".join(scores)
-            + f" | {layer.cost_before['key_cache_per_token']} / {layer.cost_after['key_cache_per_token']} |"
+            + f" | {layer.cost_before[terms.cache_key]} / {layer.cost_after[terms.cache_key]} |"
         )
     return "\n".join(lines + form.report_notes(result))
 

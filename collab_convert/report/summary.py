@@ -18,12 +18,13 @@ def _sum(result: "CompressResult", side: str, key: str) -> int:
 
 
 def cost_lines(result: "CompressResult", form) -> list[str]:
+    terms = form.terms
     before, after = _sum(result, "cost_before", "parameters"), _sum(result, "cost_after", "parameters")
-    cache_before = _sum(result, "cost_before", "key_cache_per_token")
-    cache_after = _sum(result, "cost_after", "key_cache_per_token")
+    cache_before = _sum(result, "cost_before", terms.cache_key)
+    cache_after = _sum(result, "cost_after", terms.cache_key)
     lines = [
-        f"- query/key parameters: {before:,} -> {after:,} ({_share(after, before)} of the original)",
-        f"- key cache per token (decoders), all layers: {cache_before:,} -> {cache_after:,} numbers "
+        f"- {terms.parameters}: {before:,} -> {after:,} ({_share(after, before)} of the original)",
+        f"- {terms.cache}, all layers: {cache_before:,} -> {cache_after:,} numbers "
         f"({_share(cache_after, cache_before)})",
     ]
     per_token = []
@@ -31,7 +32,7 @@ def cost_lines(result: "CompressResult", form) -> list[str]:
         b = sum(layer.cost_before["flops_per_token"][str(n)] for layer in result.layers)
         a = sum(layer.cost_after["flops_per_token"][str(n)] for layer in result.layers)
         per_token.append(f"n={n}: {short(b)} -> {short(a)} ({_share(a, b)})")
-    lines.append("- query/key multiply-adds per token (projections plus scores against n keys): " + "; ".join(per_token))
+    lines.append(f"- {terms.compute}: " + "; ".join(per_token))
     lines.append(f"- {form.compute_line(result)}")
     return lines
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from ...results import AnalysisResult, CompressResult, Table, layer_labels
+from ..base import candidate_table
 
 
 def what_it_does() -> tuple[str, str]:
@@ -69,7 +70,7 @@ def analysis_tables(result: AnalysisResult) -> list[Table]:
         table.rows.append([labels[layer.name], f"{layer.num_heads} x {layer.head_dim}",
                            "/".join(str(v) for v in layer.energy_ranks["query_unfolding"].values()),
                            "/".join(str(v) for v in layer.energy_ranks["key_unfolding"].values())])
-    return [table]
+    return [table, candidate_table(result)]
 
 
 def analysis_advice(result: AnalysisResult) -> str:

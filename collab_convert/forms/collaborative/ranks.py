@@ -19,8 +19,9 @@ from .statistics import energy_ranks
 def plan_layers(source: SourceModel, options: CompressOptions) -> list[dict]:
     """Each layer's rank (or "auto") and query/key parameters before and after; refuses what the CP form cannot
     honour."""
-    if options.key_cache is not None:
-        raise BadInputError("--key-cache sizes the shared-key form, which --form collaborative is not; give --rank")
+    if options.key_cache is not None or options.kv_cache is not None:
+        flag, form = ("--key-cache", "shared-key") if options.key_cache is not None else ("--kv-cache", "multi-query")
+        raise BadInputError(f"{flag} sizes the {form} form, which --form collaborative is not; give --rank")
     if options.rank is None:
         raise BadInputError("give --rank R (the shared query/key dimension), or --rank auto")
     if options.calibration is not None and not method_named(options.method).calibrates:

@@ -39,6 +39,9 @@ from .statistics import geometry_of, key_norm
 def layer_width(source: SourceModel, options: CompressOptions) -> int:
     """The shared key's numbers per token and layer, on average: --rank, or --key-cache of the original."""
     full = max(layer.full_rank for layer in source.layers)
+    if options.kv_cache is not None:
+        raise BadInputError("--kv-cache sizes keys and values together in the multi-query form; the shared-key form "
+                            "takes --key-cache (or drop --form shared-key)")
     if options.key_cache is not None:
         if options.rank is not None:
             raise BadInputError("give --rank or --key-cache, not both")

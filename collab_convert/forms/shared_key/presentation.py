@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ...results import AnalysisResult, CompressResult, Table, layer_labels
+from ..base import candidate_table
 
 
 def _rotates(layers) -> bool:
@@ -80,7 +81,7 @@ def analysis_tables(result: AnalysisResult) -> list[Table]:
         row = [labels[layer.name], f"{layer.num_heads} x {layer.head_dim} ({layer.kv_heads})",
                "/".join(str(v) for v in layer.energy_ranks["shared_key"].values())]
         table.rows.append(row + ([", ".join(f"#{j} {100 * strength[j]:.0f}%" for j in top)] if rotary else []))
-    return [table]
+    return [table, candidate_table(result)]
 
 
 def analysis_advice(result: AnalysisResult) -> str:

@@ -31,11 +31,11 @@ def weight_statistics(source: SourceModel, layer: AttentionLayer) -> KeyStatisti
     to the projected tokens and each head's vectors are brought to unit mean square, as the norm does."""
     weights = source.layout.read(source.reader, layer)
     geometry = geometry_of(layer)
-    scale, shift = _input_norm(source, layer)
+    scale, shift = input_norm(source, layer)
     d = geometry.head_dim
-    queries = projection_tokens(*_through_norm(weights.query_weight, weights.query_bias, scale, shift),
+    queries = projection_tokens(*through_norm(weights.query_weight, weights.query_bias, scale, shift),
                                 geometry.num_heads, d)
-    keys = projection_tokens(*_through_norm(weights.key_weight, weights.key_bias, scale, shift), geometry.kv_heads, d)
+    keys = projection_tokens(*through_norm(weights.key_weight, weights.key_bias, scale, shift), geometry.kv_heads, d)
     layout = source.layout
     if layout.query_norm and key_norm(source):
         queries = _normalised(queries, _norm_scale(source, layer, layout.query_norm), layout.norm_over_heads)
@@ -71,7 +71,7 @@ class StatisticsOf(Mapping):
         return len(self.calibrations)
 
 
-def _input_norm(source: SourceModel, layer: AttentionLayer):
+def input_norm(source: SourceModel, layer: AttentionLayer):
     """Scale and shift of the norm in front of the attention: a normalised hidden state has unit-scale channels,
     so the attention's inputs are about scale * unit + shift (decoders' channel scales differ by orders of
     magnitude, which an isotropic guess would miss)."""
@@ -89,7 +89,7 @@ def _effective_scale(source: SourceModel, weight: torch.Tensor) -> torch.Tensor:
     return scale + 1 if str(source.config.get("model_type", "")).startswith("gemma") else scale
 
 
-def _through_norm(weight: torch.Tensor, bias: torch.Tensor | None, scale, shift):
+def through_norm(weight: torch.Tensor, bias: torch.Tensor | None, scale, shift):
     if scale is None:
         return weight, bias
     bias = bias.double() if bias is not None else None
@@ -119,9 +119,10 @@ SHARED_KEY_REFINE_SAMPLES = 64  # raw sequences kept per layer for refinement (f
 
 
 def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: list[str], progress: Progress,
-                          scratch: Path | None = None):
+                          scratch: Path | None = None, value_moments: bool = False):
     """(statistics per layer, calibrations per layer with refinement samples, what the report says). With a
-    `scratch` folder the model runs a block at a time and the calibrations wait there (model_runs.py)."""
+    `scratch` folder the model runs a block at a time and the calibrations wait there (model_runs.py). With
+    `value_moments`, each calibration also holds its layer's value second moment (the multi-query form)."""
     from ...integration.shared_key_capture import collect_shared_key_statistics
 
     layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads), layer.causal)
@@ -130,7 +131,7 @@ def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: 
     calibrations, batches = collect_shared_key_statistics(
         source.folder, source.layout, source.family.position_bias, layers, texts, options.calibration_max_length,
         progress, keep_samples=keep, token_budget=options.calibration_tokens, scratch=scratch, width=source.width,
-        device=options.device)
+        device=options.device, value_moments=value_moments)
     refinement = (f"up to {options.refine_steps} Adam steps per layer on the error of the attention output (through "
                   f"the output projection; attention KL reported), each on 8 of "
                   f"{min(keep, len(texts))} sequences and 32 query positions in each, stopped and chosen on a "

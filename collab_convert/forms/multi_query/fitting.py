@@ -1,0 +1,129 @@
+"""The multi-query form's layers: one key/value head of width W in every layer. The key is the shared-key form's
+shared rotary key, with one frequency profile for the whole model (a stock checkpoint has one RoPE frequency
+list); the value is a latent every head averages (decompose/value_latent.py). Each query head's core folds into its
+query projection, with the change of scale from 1/sqrt(d) to 1/sqrt(W); each head's value up-projection folds into
+its block of the output projection. Refined together against the original's attention output where calibration
+kept samples, and written in stock shapes as the checkpoint streams past."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from ...architectures.layouts import AttentionLayer
+from ...architectures.source import SourceModel
+from ...cpu import reused_heap
+from ...decompose.costs import attention_cost
+from ...decompose.rotary_ops import query_basis_matrix
+from ...decompose.shared_key import KeyRanks, KeySpectrum, allocate, fit_shared_key, key_spectrum, slot_frequencies
+from ...decompose.value_latent import fit_value_latent, output_metric
+from ...io.writer import parse_size
+from ...options import CompressOptions
+from ...progress import DETAIL, Progress
+from ...results import MultiQueryLayerReport, rounded
+from ...streaming import layer_labels, stream_weights
+from ..shared_key.fitting import score_shares, shape_of
+from ..shared_key.statistics import geometry_of
+
+
+def key_profile(source: SourceModel, statistics: Mapping, width: int) -> KeyRanks:
+    """One frequency profile for every layer (RoPE factors are global): shared complex dimensions per frequency
+    where the score energy of all layers together, each judged as a share of its own, is largest."""
+    summed = None
+    for layer in source.layers:
+        shares = score_shares(key_spectrum(statistics[layer.prefix], geometry_of(layer)))
+        summed = shares.frequency_losses if summed is None else summed + shares.frequency_losses
+    return allocate([KeySpectrum(summed, torch.zeros(0))], width)[0]
+
+
+def convert_weights(source: SourceModel, options: CompressOptions, folder: Path, progress: Progress, width: int,
+                    profile: KeyRanks, records: Mapping, finished=None):
+    """Every tensor to the output in input order; at each attention layer, its stock query, key, value and output
+    projections (fitted, and refined where calibration kept samples, there) in place of the original's."""
+    labels = layer_labels(source)
+
+    def specs(layer: AttentionLayer):
+        return source.layout.stock_specs(source.reader, layer, width)
+
+    def fit(layer: AttentionLayer, progress: Progress):
+        record = records[layer.prefix]
+        stage = "refining" if record.samples and options.refine_steps else "fitting"
+        progress(f"{stage}{DETAIL}{labels[layer.prefix]}", source.layers.index(layer), len(source.layers))
+        return _fit_layer(source, layer, width, profile, record, options)
+
+    # one layer at a time: refinement holds calibration samples, and the fits are small beside it
+    return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished)
+
+
+def _fit_layer(source: SourceModel, layer: AttentionLayer, width: int, profile: KeyRanks, record,
+               options: CompressOptions):
+    started = time.perf_counter()
+    weights = source.layout.read_all(source.reader, layer)
+    geometry = geometry_of(layer)
+    factors = fit_shared_key(record.statistics, geometry, profile)
+    latent = fit_value_latent(record.value_moment, output_metric(weights.output_weight, geometry), width)
+    value_lost, refinement = latent.lost_energy, None
+    full = width == layer.full_rank
+    if record.samples and options.refine_steps and not full:
+        from ...decompose.shared_key_refinement import refine_shared_key
+
+        with reused_heap():  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
+            refined = refine_shared_key(record.samples, factors, geometry, record.setting, steps=options.refine_steps,
+                                        seed=options.seed, device=options.device, values=latent)
+        factors, latent = refined.factors, refined.values
+        refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
+                      "objective": refined.objective, "loss_before": refined.loss_before,
+                      "loss_after": refined.loss_after}
+    scaling = record.setting.scaling if record.setting is not None else layer.shape.head_dim ** -0.5
+    tensors = _stock_tensors(source, layer, weights, factors, latent, profile, scaling)
+    report = _report(source, layer, width, factors, value_lost, time.perf_counter() - started)
+    if record.setting is not None:
+        report.logit_error, report.refinement = factors.lost_energy, refinement
+    return report, tensors
+
+
+def _stock_tensors(source: SourceModel, layer: AttentionLayer, weights, factors, latent, profile: KeyRanks,
+                   scaling: float) -> dict[str, torch.Tensor]:
+    """The fitted key, value latent and cores as stock projections, in float64, then in the checkpoint's dtype."""
+    d, heads, groups = layer.shape.head_dim, layer.shape.num_heads, geometry_of(layer).group_of_head
+    width = latent.width
+    basis = query_basis_matrix(factors.query_core.double(), factors.pass_core.double(), slot_frequencies(profile),
+                               d, d)  # (N_h, d, W): each head's query into the shared key's coordinates
+    # the stock model scores with 1/sqrt(W): the original's scale is folded into the queries
+    basis = basis * (scaling * math.sqrt(width))
+    query = torch.einsum("hdw,hde->hwe", basis, weights.query_weight.double().reshape(heads, d, -1)).flatten(0, 1)
+    query_bias = None
+    if weights.query_bias is not None:
+        query_bias = torch.einsum("hdw,hd->hw", basis, weights.query_bias.double().reshape(heads, d)).flatten()
+
+    def through(mixing: torch.Tensor, weight: torch.Tensor, bias):
+        mixing = mixing.double()
+        return mixing @ weight.double(), None if bias is None else mixing @ bias.double()
+
+    output = weights.output_weight.double().reshape(weights.output_weight.shape[0], heads, d)
+    output = torch.einsum("ohd,hdw->ohw", output, latent.up.double()[groups]).flatten(1)
+    tensors = source.layout.stock_tensors(layer, (query, query_bias),
+                                          through(factors.key_mixing, weights.key_weight, weights.key_bias),
+                                          through(latent.down, weights.value_weight, weights.value_bias), output)
+    dtype = weights.query_weight.dtype
+    return {name: tensor.to(dtype if name != f"{layer.prefix}.{source.layout.output}.weight"
+                            else weights.output_weight.dtype).contiguous() for name, tensor in tensors.items()}
+
+
+def _report(source: SourceModel, layer: AttentionLayer, width: int, factors, value_lost: float,
+            seconds: float) -> MultiQueryLayerReport:
+    has_bias = layer.has_query_bias
+    before = attention_cost(shape_of(source, layer), has_bias=has_bias)
+    after = attention_cost(shape_of(source, layer), width, has_bias=has_bias)
+    return MultiQueryLayerReport(
+        name=layer.prefix, rank=width, num_heads=layer.shape.num_heads, head_dim=layer.shape.head_dim,
+        input_dim=layer.shape.input_dim, relative_error=factors.lost_energy, logit_error=None, refinement=None,
+        parameters_before=before.parameters, parameters_after=after.parameters, seconds=seconds,
+        cost_before=before.as_dict(), cost_after=after.as_dict(), kv_heads=layer.kv_heads,
+        frequency_ranks=list(factors.ranks.frequency_ranks), value_lost_energy=round(value_lost, 6),
+        key_spectrum=rounded(sorted(factors.key_mixing.norm(dim=1).tolist(), reverse=True)),
+    )

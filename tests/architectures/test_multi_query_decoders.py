@@ -1,0 +1,151 @@
+"""The multi-query form: rotary decoders as stock checkpoints of their own family with one key/value head. At the
+full width they load in a Python that never imports collab_convert and match the original (logits, greedy
+generation with the cache); at half the KV cache transformers' own cache holds exactly half the bytes; what the
+stock shape cannot say is refused in one line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from collab_convert import CompressOptions, compress
+from collab_convert.cli import main
+from fixtures.models import ROTARY_CASES, build_rotary, save_tiny_tokenizer
+
+STOCK = ["llama", "llama-mqa-llama3-rope", "qwen2", "qwen2-yarn-rope", "mistral"]
+
+# Loads both checkpoints with transformers alone, in a fresh interpreter, and prints what the tests compare.
+FRESH = r"""
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+original, stock = (AutoModelForCausalLM.from_pretrained(p).eval() for p in sys.argv[1:3])
+ids = torch.randint(3, 90, (2, 120), generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    a, b = original(ids).logits, stock(ids).logits
+    caches = [m(ids, use_cache=True).past_key_values for m in (original, stock)]
+prompt = ids[:1, :12]
+same = torch.equal(original.generate(prompt, max_new_tokens=40, do_sample=False),
+                   stock.generate(prompt, max_new_tokens=40, do_sample=False))
+cache_bytes = [sum(l.keys.numel() * l.keys.element_size() + l.values.numel() * l.values.element_size()
+                   for l in cache.layers) for cache in caches]
+print(json.dumps({"relative": float((a - b).abs().max() / a.abs().max()), "same_generation": same,
+                  "cache_bytes": cache_bytes, "imported_us": "collab_convert" in sys.modules}))
+"""
+
+
+def case(name):
+    return next(c for c in ROTARY_CASES if c.name == name)
+
+
+def fresh_comparison(original, stock) -> dict:
+    done = subprocess.run([sys.executable, "-c", FRESH, str(original), str(stock)], capture_output=True, text=True,
+                          check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", STOCK)
+def test_full_width_is_the_original_loaded_without_our_package(name, tmp_path):
+    build_rotary(case(name), tmp_path / "in")
+    result = compress(str(tmp_path / "in"), CompressOptions(kv_cache=1.0, output=tmp_path / "out"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert result.form == "multi-query" and "quantization_config" not in config
+    assert config["num_key_value_heads"] == 1 and config["rope_parameters"]["rope_type"] == "longrope"
+    assert config["model_type"] == json.loads((tmp_path / "in" / "config.json").read_text())["model_type"]
+    seen = fresh_comparison(tmp_path / "in", tmp_path / "out")
+    assert not seen["imported_us"]
+    assert seen["relative"] <= 1e-4 and seen["same_generation"]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_half_the_kv_cache_is_half_of_transformers_own_cache(name, tmp_path):
+    build_rotary(case(name), tmp_path / "in")
+    result = compress(str(tmp_path / "in"), CompressOptions(kv_cache=0.5, output=tmp_path / "out"))
+    seen = fresh_comparison(tmp_path / "in", tmp_path / "out")
+    before, after = seen["cache_bytes"]
+    assert after * 2 == before
+    layer = result.layers[0]
+    assert layer.rank == layer.kv_heads * layer.head_dim // 2 and sum(layer.frequency_ranks) == layer.rank // 2
+
+
+def test_the_key_profile_is_the_same_in_every_layer_and_the_config_says_it(tmp_path):
+    build_rotary(case("llama"), tmp_path / "in")
+    result = compress(str(tmp_path / "in"), CompressOptions(kv_cache=0.5, output=tmp_path / "out"))
+    profiles = {tuple(layer.frequency_ranks) for layer in result.layers}
+    assert len(profiles) == 1
+    record = json.loads((tmp_path / "out" / "config.json").read_text())["collab_convert"]
+    assert tuple(record["key_frequency_ranks"]) == profiles.pop() and record["kv_cache_share"] == 0.5
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # a stock checkpoint, the provenance kept
+    assert model.config.head_dim == 16
+
+
+def test_calibration_refines_keys_and_values_together(tmp_path):
+    build_rotary(case("llama"), tmp_path / "in")
+    save_tiny_tokenizer(tmp_path / "in")
+    texts = tmp_path / "texts.txt"
+    from fixtures import SENTENCES
+
+    texts.write_text("\n".join(SENTENCES) + "\n")
+    result = compress(str(tmp_path / "in"), CompressOptions(kv_cache=0.5, output=tmp_path / "out", calibration=texts,
+                                                            calibration_samples=24, refine_steps=20))
+    refined = [layer.refinement for layer in result.layers]
+    assert all(r and r["objective"] == "attention output" and r["loss_after"] <= r["loss_before"] for r in refined)
+    assert any(r["loss_after"] < r["loss_before"] for r in refined)
+    assert result.fidelity["top1_agreement"] is not None
+
+
+@pytest.mark.parametrize("name, flags, why", [
+    ("llama-dynamic-rope", ("--kv-cache", "0.5"), "changes its frequencies with the input length"),
+    ("qwen3", ("--kv-cache", "0.5"), "not offered for model_type 'qwen3'"),
+    ("phi3", ("--kv-cache", "0.5"), "Phi-3 config checks RoPE factors"),
+    ("phi", ("--form", "multi-query", "--kv-cache", "0.5"), "not offered for model_type 'phi'"),
+    ("llama", ("--kv-cache", "0.5", "--key-cache", "0.5"), "not --key-cache"),
+    ("llama", ("--form", "multi-query", "--rank", "15"), "must be even"),
+])
+def test_what_the_stock_shape_cannot_say_is_refused_in_one_line(name, flags, why, tmp_path, capsys):
+    build_rotary(case(name), tmp_path / "in")
+    capsys.readouterr()  # what building the model printed
+    code = main(["compress", str(tmp_path / "in"), *flags, "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 3 and why in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_analyze_shows_widths_profiles_and_what_each_costs(tmp_path, capsys):
+    build_rotary(case("llama"), tmp_path / "in")
+    capsys.readouterr()
+    assert main(["analyze", str(tmp_path / "in"), "--form", "multi-query", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["form"] == "multi-query" and [p["rank"] for p in result["predictions"]] == [32, 24, 16, 8]
+    half = result["predictions"][2]
+    assert half["key_cache_per_token"] == half["value_cache_per_token"] == 2 * 16  # two layers
+    assert result["layers"][0]["candidates"][2]["frequency_ranks"] and result["layers"][0]["value_spectrum"]
+    assert main(["analyze", str(tmp_path / "in"), "--form", "multi-query"]) == 0
+    out = capsys.readouterr().out
+    assert "Head widths" in out and "vLLM (FlashAttention/FlashInfer)" in out
+
+
+def test_dry_run_names_the_width_and_the_engines_that_take_it(tmp_path, capsys):
+    build_rotary(case("llama"), tmp_path / "in")
+    capsys.readouterr()
+    assert main(["compress", str(tmp_path / "in"), "--kv-cache", "0.5", "-o", str(tmp_path / "out"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "one key/value head of 16 per layer" in out and "vLLM FlashAttention yes" in out
+
+
+def test_distillation_tunes_the_stock_projections(tmp_path):
+    build_rotary(case("llama"), tmp_path / "in")
+    save_tiny_tokenizer(tmp_path / "in")
+    from fixtures import SENTENCES
+
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(SENTENCES) + "\n")
+    result = compress(str(tmp_path / "in"), CompressOptions(kv_cache=0.5, output=tmp_path / "out", calibration=texts,
+                                                            calibration_samples=24, refine_steps=5, distill_steps=20))
+    assert result.distillation["kl_after"] <= result.distillation["kl_before"]
+    assert result.distillation["parameters_tuned"] == sum(
+        p.numel() for n, p in AutoModelForCausalLM.from_pretrained(tmp_path / "out").named_parameters()
+        if ".self_attn." in n)
+    assert torch.isfinite(torch.tensor(result.distillation["kl_after"]))
