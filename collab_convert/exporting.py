@@ -1,7 +1,10 @@
 """export(): a compressed checkpoint (or any model transformers loads) in a runtime format, checked.
 
-    load (integration/loading.py)  ->  trace to ONNX (integration/onnx_export.py)  ->  run it in onnxruntime
-    against PyTorch on the built-in sentences  ->  tokenizer and config beside it  ->  swap into place
+ONNX:  load (integration/loading.py)  ->  trace to ONNX (integration/onnx_export.py)  ->  run it in onnxruntime
+       against PyTorch on the built-in sentences  ->  tokenizer and config beside it  ->  swap into place
+GGUF:  a stock llama-family checkpoint's tensors to llama.cpp's names and layout (integration/gguf_export.py)  ->
+       run llama.cpp's graph over the file's own tensors (integration/gguf_check.py) against PyTorch on the
+       built-in sentences  ->  rename into place
 """
 
 from __future__ import annotations
@@ -22,6 +25,16 @@ COMPRESS_PLOTS = frozenset({"spectra.svg", "errors.svg"})
 
 
 def export(model: str, options: ExportOptions, progress: Progress = no_progress) -> ExportResult:
+    """Write `model` in options.format to options.output, after checking the runtime reproduces PyTorch on real text;
+    refuse (and write nothing) otherwise."""
+    if options.format == "gguf":
+        from .gguf_exporting import export_gguf
+
+        return export_gguf(model, options, progress)
+    return _export_onnx(model, options, progress)
+
+
+def _export_onnx(model: str, options: ExportOptions, progress: Progress = no_progress) -> ExportResult:
     """Write `model` as ONNX into options.output, after checking onnxruntime reproduces PyTorch on real text
     within options.tolerance; refuse (and write nothing) otherwise."""
     from .integration.onnx_export import (

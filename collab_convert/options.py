@@ -214,14 +214,19 @@ class ExportOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    format: Literal["onnx"] = Field("onnx", description="The format to write: onnx.")
+    format: Literal["onnx", "gguf"] = Field(
+        "onnx", description="onnx (a folder: model.onnx and the tokenizer, checked in onnxruntime), or gguf (one .gguf "
+        "file for llama.cpp: stock llama, mistral and qwen2 checkpoints, such as compress --kv-cache writes).")
     output: Path = Field(
-        description="Folder to write the exported model to (model.onnx, tokenizer and config files).",
+        description="Where to write: a folder for onnx, a .gguf file for gguf.",
         json_schema_extra={"flags": ["--output", "-o"]},
     )
-    overwrite: bool = Field(False, description="Replace OUTPUT if it exists and is not empty.")
-    # onnxruntime against PyTorch on the built-in sentences; a larger difference is an error, never a silent file
-    tolerance: float = Field(1e-4, gt=0, description="Largest absolute difference from PyTorch accepted.")
+    overwrite: bool = Field(False, description="Replace OUTPUT if it exists (and, for a folder, is not empty).")
+    # the runtime against PyTorch on the built-in sentences; a larger difference is an error, never a silent file
+    tolerance: float = Field(1e-4, gt=0, description="Largest absolute difference from PyTorch accepted (onnx; gguf "
+                             "in f32: relative to the largest logit).")
+    dtype: Literal["f32", "f16", "bf16"] = Field("f16", description="gguf: the precision of its weight matrices "
+                                                 "(norms and biases stay f32).")
 
 
 class VerifyOptions(BaseModel):

@@ -251,6 +251,8 @@ class ExportResult(_Data):
     files: list[str]
     seconds: float
     tool_version: str = __version__
+    # gguf: precision, head sizes, RoPE factors, where the tokenizer came from, next-token agreement with PyTorch
+    details: dict[str, Any] | None = None
 
 
 @dataclass

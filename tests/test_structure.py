@@ -23,7 +23,7 @@ LAYERS = {
     "streaming": 7,
     "predict": 7,
     "forms": 8,
-    "analysis": 9, "compression": 9, "exporting": 9,
+    "analysis": 9, "compression": 9, "exporting": 9, "gguf_exporting": 8,
     "cli": 10, "__init__": 10, "__main__": 11,
 }
 

@@ -111,22 +111,23 @@ def export(
     **options,
 ) -> None:
     """Write CHECKPOINT as ONNX (batch and length dynamic; encoders: final hidden states, causal language models:
-    logits without a cache), after checking that onnxruntime reproduces PyTorch on built-in sentences.
+    logits without a cache), after checking that onnxruntime reproduces PyTorch on built-in sentences; or, with
+    --format gguf, a stock llama-family checkpoint (compress --kv-cache writes one) as a GGUF file for llama.cpp,
+    after checking that llama.cpp's graph over the file reproduces PyTorch.
 
-    Next: run OUTPUT/model.onnx with onnxruntime.InferenceSession; its inputs are the tokenizer's (saved beside it).
+    Next: run OUTPUT/model.onnx with onnxruntime.InferenceSession (its inputs are the tokenizer's, saved beside it),
+    or the .gguf file with llama.cpp (llama-cli -m FILE.gguf, or llama_cpp.Llama(model_path=FILE.gguf)).
     """
     Quiet.quiet = quiet
     chosen = build_options(ExportOptions, options)
     from ..exporting import export as run_export
-    from .render import stdout
+    from .render import print_export
 
     result = run_with_progress(run_export, model, chosen, show=not as_json)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     else:
-        stdout.print(
-            f"Wrote {result.output}/model.onnx ({result.kind}) in {result.seconds:.1f} s; onnxruntime matches "
-            f"PyTorch to {result.max_abs_difference:.1e} on {result.checked_on}.", highlight=False)
+        print_export(result)
 
 
 @app.command()

@@ -113,3 +113,17 @@ def print_verification(result) -> None:
     if result.top1_agreement is not None:
         line += f"; next-token top-1 agreement {result.top1_agreement:.4f}, KL {result.kl_mean:.4f}"
     stdout.print(line, highlight=False)
+
+
+def print_export(result) -> None:
+    if result.format == "gguf":
+        stdout.print(
+            f"Wrote {result.output} ({result.kind}) in {result.seconds:.1f} s; llama.cpp's graph over the file matches "
+            f"PyTorch to {result.max_abs_difference:.1e} of the largest logit (next token agrees on "
+            f"{result.details['next_token_agreement']:.2%}) on {result.checked_on}; tokenizer "
+            f"{result.details['tokenizer']}.\nNext: llama-cli -m {result.output}, or "
+            f"llama_cpp.Llama(model_path='{result.output}')", highlight=False)
+        return
+    stdout.print(
+        f"Wrote {result.output}/model.onnx ({result.kind}) in {result.seconds:.1f} s; onnxruntime matches "
+        f"PyTorch to {result.max_abs_difference:.1e} on {result.checked_on}.", highlight=False)
