@@ -68,6 +68,11 @@ def stock_rope_parameters(rope: RopeFrequencies, pair_frequencies: torch.Tensor)
     def factors(targets: torch.Tensor) -> list[float]:
         return (1.0 / (targets[pair_frequencies] * powers)).tolist()
 
-    return {"rope_type": "longrope", "rope_theta": rope.theta, "short_factor": factors(rope.short),
-            "long_factor": factors(rope.long), "factor": 1.0, "attention_factor": rope.attention_factor,
-            "original_max_position_embeddings": rope.original_max}
+    parameters = {"rope_type": "longrope", "rope_theta": rope.theta, "short_factor": factors(rope.short),
+                  "long_factor": factors(rope.long), "factor": 1.0, "attention_factor": rope.attention_factor,
+                  "original_max_position_embeddings": rope.original_max}
+    if abs(rope.attention_factor - 1.0) > 1e-12:
+        # vLLM's longrope scales cos/sin by short_mscale/long_mscale, not attention_factor (transformers warns of the
+        # keys it does not know, and reads attention_factor)
+        parameters.update(short_mscale=rope.attention_factor, long_mscale=rope.attention_factor)
+    return parameters
