@@ -14,9 +14,9 @@ Printed side by side, in one run, for each share S of the whole KV cache (keys a
     stock checkpoint without collab-convert's loader;
   - keys alone at the same total cache (the shared-key form, `--key-cache 2S - 1`, values whole), where a key share
     reaches it;
-  - the plain PCA at the same budget: the same multi-query checkpoint from the weights alone, keys pooled across
-    heads per frequency with no query weighting, the same number of key dimensions at every frequency, and the
-    values' PCA with no output weighting, nothing refined;
+  - the plain PCA at the same budget: the same multi-query checkpoint from the same calibration activations, keys
+    pooled across heads per frequency with no query weighting, the same number of key dimensions at every
+    frequency, and the values' PCA with no output weighting, nothing refined or distilled;
 and the KV cache bytes transformers' own cache holds. At S = 1 (weight-only, exact): the largest logit difference
 and 64 greedy tokens.
 
@@ -168,22 +168,23 @@ def export(folder: Path, target: Path, dtype: str = "f16") -> None:
                     str(target), "--dtype", dtype, "-q", "--overwrite"], check=True, stdout=subprocess.DEVNULL)
 
 
-def plain_pca(share: float, out: Path) -> None:
-    """The multi-query form from the weights alone, unweighted: keys pooled per frequency with every query
+def plain_pca(share: float, out: Path, texts: list[str]) -> None:
+    """The multi-query form from calibration activations, unweighted: keys pooled per frequency with every query
     counting alike, the same key dimensions at every frequency, the values' PCA with every output direction alike."""
     from unittest import mock
 
     from collab_convert.architectures.source import open_model
     from collab_convert.decompose.shared_key import KeyRanks
     from collab_convert.forms.multi_query import fitting, record
-    from collab_convert.forms.multi_query.statistics import model_weight_records
+    from collab_convert.forms.multi_query.statistics import statistics
     from collab_convert.io.folders import StagedOutput, copy_non_weight_files
     from collab_convert.options import CompressOptions
 
     source = open_model(MODEL, "multi-query")
-    options = CompressOptions(kv_cache=share, output=out, overwrite=True)
+    options = CompressOptions(kv_cache=share, output=out, overwrite=True, refine_steps=0, calibration=Path("texts"),
+                              calibration_max_length=EVALUATED_TOKENS)
     width = record.plan_width(source, options)
-    records = model_weight_records(source)
+    _, records, _ = statistics(source, options, texts, lambda *a: None)
     for layer in source.layers:
         found = records[layer.prefix]
         found.statistics.query_energy = torch.ones_like(found.statistics.query_energy)
@@ -243,7 +244,7 @@ def run(args) -> None:
     compress(["--kv-cache", "1.0"], full)
     rows["full width"] = exactness(folder, full, tokenizer, held_out[0])
     for share in [float(s) for s in args.shares.split(",")]:
-        rows.update(compare_at(share, work, calibrated, sequences, base, base_bytes))
+        rows.update(compare_at(share, work, calibrated, sequences, base, base_bytes, calibration))
     if not args.no_llama_cpp:
         rows["llama.cpp"] = llama_cpp_figures(args, work, folder, full, sequences, base_predictions, tokenizer,
                                               held_out)
@@ -266,7 +267,8 @@ def exactness(folder: Path, full: Path, tokenizer, prompt: str) -> dict:
     return {"max_logit_difference": difference, "greedy_identical": same}
 
 
-def compare_at(share: float, work: Path, calibrated: list[str], sequences, base: float, base_bytes: int) -> dict:
+def compare_at(share: float, work: Path, calibrated: list[str], sequences, base: float, base_bytes: int,
+               calibration: list[str]) -> dict:
     rows = {}
     ours = work / f"ours-{share}"
     seconds, report = compress(["--kv-cache", str(share), *calibrated], ours)
@@ -287,7 +289,7 @@ def compare_at(share: float, work: Path, calibrated: list[str], sequences, base:
     else:
         line += "; keys alone cannot reach it (the values stay whole: at most half the cache goes)"
     plain = work / f"plain-{share}"
-    plain_pca(share, plain)
+    plain_pca(share, plain, calibration)
     plain_perplexity, _ = transformers_run(plain, sequences)
     line += f"; plain PCA {plain_perplexity:.3f} ({100 * (plain_perplexity / base - 1):+.1f}%)"
     rows[f"plain PCA {share}"] = {"perplexity": plain_perplexity}

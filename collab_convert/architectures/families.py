@@ -185,8 +185,9 @@ FAMILIES: tuple[Family, ...] = (
         offers=(
             # our forward, so the cache holds exactly the packed shared key (no head-size chunks)
             collaborative(FusedProjection("c_attn", conv1d=True), gpt2_forward),
-            shared_key(SharedKeyProjections(fused="c_attn", conv1d=True, output="c_proj", output_dropout="resid_dropout",
-                                            dropout="attn_dropout", input_norm="ln_1", rotates=False)),
+            shared_key(SharedKeyProjections(fused="c_attn", conv1d=True, output="c_proj",
+                                            output_dropout="resid_dropout", dropout="attn_dropout", input_norm="ln_1",
+                                            rotates=False)),
         ),
         requires=(
             ("reorder_and_upcast_attn", (None, False), "its upcast path multiplies the per-head queries and keys"),

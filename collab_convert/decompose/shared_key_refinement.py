@@ -3,10 +3,11 @@
 The weighted PCA (shared_key.py) keeps the most score energy, but softmax only listens to the keys that win.
 Layer by layer, Adam adjusts the key mixing and the per-head cores (and, for the multi-query form, the value
 latent's down- and up-projections, value_latent.py) so that each head's attention on calibration sequences
-(causal in decoders; T5's position bias added) matches the original's, through its values and output projection. Stochastic, as
-the CP refinement is: each step sees a few sequences and a few sampled query positions, so its cost does not
-grow with the calibration set; a held-out tenth of the sequences decides when to stop and which parameters to
-keep (the start counts, so the result is never worse there than the PCA it started from).
+(causal in decoders; T5's position bias added) matches the original's, through its values and output
+projection. Stochastic, as the CP refinement is: each step sees a few sequences and a few sampled query
+positions, so its cost does not grow with the calibration set; a held-out tenth of the sequences decides when to
+stop and which parameters to keep (the start counts, so the result is never worse there than the PCA it started
+from).
 """
 
 from __future__ import annotations

@@ -37,6 +37,16 @@ class Terms:
     compute_short: str = "Q/K MACs per token"
 
 
+@dataclass(frozen=True)
+class Card:
+    """What a form's model card says of how the checkpoint relates to its base and how it loads."""
+
+    relation: str | None = "quantized"  # the Hub's base_model_relation: it loads through a quantization config
+    tags: tuple[str, ...] = ("collaborative-attention",)
+    loading: str = ("Load it after `import collab_convert` with the usual Auto classes, or with "
+                    "`collab_convert.load_model`.")
+
+
 @dataclass
 class FormPlan:
     """A form's checked plan: each layer's size and query/key parameters before and after, what the form keeps in
@@ -116,6 +126,7 @@ class Form(ABC):
     # --- how results read: the form's presentation module (functions of these names) ----------------------------
     presentation: ModuleType
     terms: Terms = Terms()
+    card: Card = Card()
 
     def what_it_does(self) -> tuple[str, str]:
         """For the model card: what every layer became, and how it works, in a clause each."""

@@ -32,12 +32,14 @@ class CardSource:
 def write_model_card(result: "CompressResult", form, source: CardSource, folder: Path) -> list[str]:
     """README.md; `form` (forms/, the result's form) says what every layer became."""
     original = source.front_matter
+    card = form.card
     front = {
         "base_model": source.base_model,
-        # The Hub knows adapter/merge/quantized/finetune; the transform loads through a quantization config.
-        "base_model_relation": "quantized",
+        # The Hub knows adapter/merge/quantized/finetune: a form that loads through a quantization config says
+        # quantized; a stock checkpoint (the multi-query form) names no relation the Hub has
+        **({"base_model_relation": card.relation} if card.relation else {}),
         "library_name": original.get("library_name", "transformers"),
-        "tags": sorted(set((original.get("tags") or []) + ["collaborative-attention", "collab-convert"])),
+        "tags": sorted(set((original.get("tags") or []) + list(card.tags) + ["collab-convert"])),
     }
     if source.license:
         front["license"] = source.license
@@ -58,7 +60,7 @@ def write_model_card(result: "CompressResult", form, source: CardSource, folder:
         "",
         *summary_lines(result, form),
         "",
-        "Load it after `import collab_convert` with the usual Auto classes, or with `collab_convert.load_model`.",
+        card.loading,
         "Details per layer are in report.md.",
         "",
     ]

@@ -25,7 +25,7 @@ from ...options import AnalyzeOptions, CompressOptions
 from ...progress import Progress
 from ...resume import FinishedLayers
 from ...results import AnalysisResult, CompressResult, MultiQueryLayerReport
-from ..base import Form, FormPlan, Statistics, Terms
+from ..base import Card, Form, FormPlan, Statistics, Terms
 from . import analysis, presentation
 from .fitting import convert_weights, key_profile
 from .record import plan_layers, plan_width, write_stock_config
@@ -44,6 +44,10 @@ class MultiQueryForm(Form):
                   cache_key="kv_cache_per_token",
                   compute="attention multiply-adds per token (projections, then scores and values against n keys)",
                   compute_short="attention MACs per token")
+    card = Card(relation=None, tags=("multi-query-attention", "kv-cache-compression"),
+                loading="It is a stock checkpoint of its family: load it with transformers' `AutoModelForCausalLM` "
+                        "(no collab-convert needed), or write it for llama.cpp with `collab-convert export OUT "
+                        "--format gguf -o OUT.gguf`. Its provenance is under config.json's `collab_convert`.")
 
     def plan(self, source: SourceModel, options: CompressOptions) -> FormPlan:
         width = plan_width(source, options)
