@@ -137,7 +137,7 @@ class _Problem:
             heads = probabilities @ self.values  # (B, H, rows, d)
         else:
             averaged = probabilities @ (self.stacked_values @ down.T)[:, None]  # (B, H, rows, W)
-            heads = averaged @ up[self.geometry.group_of_head.to(up.device)].transpose(-1, -2)
+            heads = averaged @ up.transpose(-1, -2)  # each head reads the latent through its own up-projection
         return heads.transpose(1, 2).flatten(2) @ self.setting.output_weight.T
 
     def predicted(self, mixing: torch.Tensor, core: torch.Tensor, pass_core: torch.Tensor) -> torch.Tensor:
@@ -158,6 +158,27 @@ class _Problem:
         return error[self.rows].sum(), self.output_energy
 
 
+def attention_output_error(samples: list[SharedKeySample], factors: SharedKeyFactors, geometry: HeadGeometry,
+                           setting: AttentionSetting, values: ValueLatent | None = None,
+                           device: Device = HOST) -> float:
+    """The error of the layer's attention output through the output projection on every sample, as a share of its
+    energy: how good a start is, before refinement."""
+    slots = slot_frequencies(factors.ranks).to(device)
+    setting = replace(setting, **moved({"cos": setting.cos, "sin": setting.sin, "output_weight": setting.output_weight,
+                                        "position_bias": setting.position_bias}, device))
+    start = [t.to(device, torch.float32) for t in (factors.key_mixing, factors.query_core, factors.pass_core)]
+    if values is not None:
+        start += [values.down.to(device, torch.float32),
+                  values.up[geometry.group_of_head].to(device, torch.float32) if values.up.shape[0] !=
+                  geometry.num_heads else values.up.to(device, torch.float32)]
+    total, energy = 0.0, 0.0
+    with torch.no_grad():
+        for i in range(0, len(samples), 8):
+            loss, norm = _Problem(_batch(samples[i:i + 8], None, None, device), geometry, setting, slots).loss(*start)
+            total, energy = total + float(loss), energy + norm
+    return total / max(energy, 1e-30)
+
+
 def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors, geometry: HeadGeometry,
                       setting: AttentionSetting, steps: int = 200, learning_rate: float = 6e-2,
                       batch_sequences: int = 8, query_rows: int = 32, seed: int = 0,
@@ -176,7 +197,10 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
     check_rows = sum(int(p.valid.sum()) for p in checks)
     if values is not None and checks[0].values is None:
         raise ValueError("refining a value latent needs samples with values and the layer's output projection")
-    start = (factors.key_mixing, factors.query_core, factors.pass_core) + ((values.down, values.up) if values else ())
+    # every head reads the shared latent through an up-projection of its own (its output projection absorbs it, so
+    # this costs nothing at inference): the PCA's per-group ones are where they start
+    per_head = (values.down, values.up[geometry.group_of_head]) if values is not None else ()
+    start = (factors.key_mixing, factors.query_core, factors.pass_core) + per_head
     parameters = [t.to(device, torch.float32).clone().requires_grad_(True) for t in start]
 
     def held_out() -> float:

@@ -50,7 +50,7 @@ def _analyze_layer(source: SourceModel, layer, record, profiles) -> MultiQueryLa
     geometry, shape = geometry_of(layer), shape_of(source, layer)
     shares = score_shares(key_spectrum(record.statistics, geometry))
     weights = source.layout.read_all(source.reader, layer)
-    values = value_spectrum(record.value_moment, output_metric(weights.output_weight, geometry))
+    values = value_spectrum(record.value_moment, output_metric(weights.output_weight, geometry))  # per head
     value_shares = values / values.sum().clamp_min(1e-30)
     key_numbers = sorted([v / 2 for row in shares.frequency_losses.tolist() for v in row for _ in (0, 1)],
                          reverse=True)

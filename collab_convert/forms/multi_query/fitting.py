@@ -20,7 +20,7 @@ from ...cpu import reused_heap
 from ...decompose.costs import attention_cost
 from ...decompose.rotary_ops import query_basis_matrix
 from ...decompose.shared_key import KeyRanks, KeySpectrum, allocate, fit_shared_key, key_spectrum, slot_frequencies
-from ...decompose.value_latent import fit_value_latent, output_metric
+from ...decompose.value_latent import fit_value_latent, head_up_projections, output_metric
 from ...io.writer import parse_size
 from ...options import CompressOptions
 from ...progress import DETAIL, Progress
@@ -65,7 +65,7 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, width: int, profile: 
     weights = source.layout.read_all(source.reader, layer)
     geometry = geometry_of(layer)
     factors = fit_shared_key(record.statistics, geometry, profile)
-    latent = fit_value_latent(record.value_moment, output_metric(weights.output_weight, geometry), width)
+    latent, weighting = _value_start(record, weights, geometry, width, factors, options)
     value_lost, refinement = latent.lost_energy, None
     full = width == layer.full_rank
     if record.samples and options.refine_steps and not full:
@@ -77,13 +77,32 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, width: int, profile: 
         factors, latent = refined.factors, refined.values
         refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
                       "objective": refined.objective, "loss_before": refined.loss_before,
-                      "loss_after": refined.loss_after}
+                      "loss_after": refined.loss_after, "value_start": weighting}
     scaling = record.setting.scaling if record.setting is not None else layer.shape.head_dim ** -0.5
     tensors = _stock_tensors(source, layer, weights, factors, latent, profile, scaling)
     report = _report(source, layer, width, factors, value_lost, time.perf_counter() - started)
     if record.setting is not None:
         report.logit_error, report.refinement = factors.lost_energy, refinement
     return report, tensors
+
+
+def _value_start(record, weights, geometry, width: int, factors, options: CompressOptions):
+    """(the value latent refinement starts from, which weighting made it): the output-weighted PCA with a group's
+    heads counted apart or summed (decompose/value_latent.py), whichever leaves the smaller attention-output error
+    on the calibration samples; from the weights alone, counted apart."""
+    def fitted(summed: bool):
+        metric = output_metric(weights.output_weight, geometry, summed=summed)
+        return fit_value_latent(record.value_moment, metric, width, geometry.kv_heads)
+
+    if not record.samples or width == geometry.full_width:
+        return fitted(False), "per head"
+    from ...decompose.shared_key_refinement import attention_output_error
+
+    candidates = {"per head": fitted(False), "summed over a group's heads": fitted(True)}
+    errors = {name: attention_output_error(record.samples, factors, geometry, record.setting, latent,
+                                           options.device) for name, latent in candidates.items()}
+    best = min(errors, key=errors.get)
+    return candidates[best], best
 
 
 def _stock_tensors(source: SourceModel, layer: AttentionLayer, weights, factors, latent, profile: KeyRanks,
@@ -105,7 +124,7 @@ def _stock_tensors(source: SourceModel, layer: AttentionLayer, weights, factors,
         return mixing @ weight.double(), None if bias is None else mixing @ bias.double()
 
     output = weights.output_weight.double().reshape(weights.output_weight.shape[0], heads, d)
-    output = torch.einsum("ohd,hdw->ohw", output, latent.up.double()[groups]).flatten(1)
+    output = torch.einsum("ohd,hdw->ohw", output, head_up_projections(latent, groups).double()).flatten(1)
     tensors = source.layout.stock_tensors(layer, (query, query_bias),
                                           through(factors.key_mixing, weights.key_weight, weights.key_bias),
                                           through(latent.down, weights.value_weight, weights.value_bias), output)

@@ -1,0 +1,80 @@
+"""The value latent of the multi-query form: exact at full width, the best output-weighted subspace below it, and
+refined together with the shared key against the attention output, never worse on held-out sequences."""
+
+import torch
+
+from collab_convert.decompose.shared_key import HeadGeometry, KeyRanks, fit_shared_key, statistics_of
+from collab_convert.decompose.shared_key_refinement import (
+    AttentionSetting,
+    SharedKeySample,
+    attention_output_error,
+    refine_shared_key,
+)
+from collab_convert.decompose.value_latent import (
+    fit_value_latent,
+    head_up_projections,
+    output_metric,
+    value_moment,
+    value_spectrum,
+)
+
+GEOMETRY = HeadGeometry(num_heads=4, kv_heads=2, head_dim=8, rotary_dim=8)
+
+
+def values_and_output(seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    mixing = torch.randn(16, 16, generator=generator) * torch.logspace(0, -2, 16)  # a few strong directions
+    values = (torch.randn(400, 16, generator=generator) @ mixing).reshape(400, 2, 8)
+    return values, torch.randn(32, 32, generator=generator)
+
+
+def test_every_value_is_the_latent_read_back_at_full_width():
+    values, output = values_and_output()
+    latent = fit_value_latent(value_moment(values), output_metric(output, GEOMETRY), 16, 2)
+    stacked = values.reshape(400, -1).double()
+    read_back = torch.einsum("gdw,nw->ngd", latent.up, stacked @ latent.down.T).reshape(400, -1)
+    assert torch.allclose(read_back, stacked, atol=1e-10) and latent.lost_energy == 0.0
+    assert torch.allclose(latent.down.norm(dim=1), torch.ones(16, dtype=torch.float64))  # the values' own scale
+
+
+def test_the_output_metric_decides_which_directions_stay():
+    values, output = values_and_output()
+    moment = value_moment(values)
+    spectrum = value_spectrum(moment, output_metric(output, GEOMETRY))
+    assert abs(fit_value_latent(moment, output_metric(output, GEOMETRY), 8, 2).lost_energy
+               - float(spectrum[8:].sum() / spectrum.sum())) < 1e-9
+    # every head of a group reads the same token's value here: its errors add up before the output does
+    half = fit_value_latent(moment, output_metric(output, GEOMETRY, summed=True), 8, 2)
+
+    def output_error(latent):
+        stacked = values.reshape(400, -1).double()
+        read = torch.einsum("gdw,nw->ngd", latent.up, stacked @ latent.down.T).reshape(400, -1)
+        error = (read - stacked).reshape(400, 2, 8)[:, GEOMETRY.group_of_head]  # each head reads its group
+        return float((torch.einsum("nhd,ohd->no", error, output.double().reshape(32, 4, 8)) ** 2).sum())
+
+    unweighted = fit_value_latent(moment, torch.eye(16, dtype=torch.float64), 8, 2)
+    assert output_error(half) < output_error(unweighted)
+
+
+def test_refining_the_key_and_values_together_never_loses_on_held_out_sequences():
+    generator = torch.Generator().manual_seed(3)
+    samples, statistics = [], None
+    for _ in range(20):
+        queries, keys, values = (torch.randn(24, heads, 8, generator=generator) for heads in (4, 2, 2))
+        samples.append(SharedKeySample(queries.half(), keys.half(), values.half()))
+        more = statistics_of(queries, keys, GEOMETRY)
+        statistics = more if statistics is None else statistics + more
+    angles = torch.arange(24).float()[:, None] * 0.3 ** torch.arange(4).float()
+    setting = AttentionSetting(8 ** -0.5, torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1),
+                               output_weight=torch.randn(32, 32, generator=generator))
+    factors = fit_shared_key(statistics, GEOMETRY, KeyRanks((1, 1, 1, 1), 0))
+    moment = sum(value_moment(s.values.float()) for s in samples)
+    latent = fit_value_latent(moment, output_metric(setting.output_weight, GEOMETRY), 8, 2)
+    full_key = fit_shared_key(statistics, GEOMETRY, KeyRanks((2, 2, 2, 2), 0))
+    full_values = fit_value_latent(moment, output_metric(setting.output_weight, GEOMETRY), 16, 2)
+    assert attention_output_error(samples, full_key, GEOMETRY, setting, full_values) < 1e-6  # exact at full width
+    assert attention_output_error(samples, factors, GEOMETRY, setting, latent) > 1e-3
+    refined = refine_shared_key(samples, factors, GEOMETRY, setting, steps=60, values=latent)
+    assert refined.objective == "attention output" and refined.loss_after <= refined.loss_before
+    assert refined.values.up.shape == (4, 8, 8)  # one up-projection per head once refined
+    assert head_up_projections(latent, GEOMETRY.group_of_head).shape == (4, 8, 8)
