@@ -12,7 +12,7 @@ import torch
 from .architectures.layouts import AttentionLayer
 from .architectures.source import SourceModel
 from .io.headers import TensorSpec
-from .io.writer import ShardWriter
+from .io.writer import Passed, ShardWriter
 from .progress import DETAIL, Progress, no_progress
 from .resume import FinishedLayers
 from .results import LayerReport
@@ -31,9 +31,14 @@ def fit_workers() -> int:
 LayerFitter = Callable[[AttentionLayer, Progress], tuple[LayerReport, dict[str, torch.Tensor]]]
 
 
+def unchanged(name: str, spec: TensorSpec) -> list[Passed]:
+    return [Passed(name)]
+
+
 def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progress: Progress,
                    layer_specs: Callable[[AttentionLayer], list[TensorSpec]], fit: LayerFitter,
-                   finished: FinishedLayers | None = None, workers: int = 0):
+                   finished: FinishedLayers | None = None, workers: int = 0,
+                   passing: Callable[[str, TensorSpec], list[Passed]] = unchanged):
     """Stream every tensor to the output in input order; at each attention layer, fit it and write its new
     tensors in place of the ones they replace. Every output tensor's name, dtype and shape is known
     (layer_specs) before anything is computed.
@@ -42,7 +47,8 @@ def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progr
     layers ahead of the writer in worker threads while the writer copies tensors through: reading, the math
     and writing overlap, and memory holds at most `workers` layers in flight. There every torch operation runs
     on one thread, so the output bytes do not depend on the number of workers (a product summed by two
-    threads rounds differently from one summed by one)."""
+    threads rounds differently from one summed by one). `passing` says how each tensor that is not replaced is
+    written (unchanged, by default)."""
     by_anchor = {layer.anchor: layer for layer in source.layers}
     replaced = {name for layer in source.layers for name in layer.replaced}
     specs = []
@@ -50,7 +56,8 @@ def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progr
         if name in by_anchor:
             specs += layer_specs(by_anchor[name])
         if name not in replaced:
-            specs.append(source.reader.spec(name))
+            spec = source.reader.spec(name)
+            specs += [part.spec(spec) for part in passing(name, spec)]
     writer = ShardWriter(folder, specs, max_shard_size)
     reader, reports = source.reader, []
     names = reader.names()
@@ -72,17 +79,27 @@ def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progr
             elif index % 16 == 0:
                 progress("writing", index, len(names))
             if name not in replaced:
-                location = reader.byte_range(name)
-                if location is None:
-                    writer.add(name, reader.get(name))
-                else:
-                    writer.copy_bytes(reader.spec(name), location)
+                _pass_through(reader, writer, name, passing(name, reader.spec(name)))
     finally:
         ahead.close()
     progress("writing", len(names), len(names))
     files = writer.finish()
     progress("writing", len(names), len(names))
     return reports, files
+
+
+def _pass_through(reader, writer: ShardWriter, name: str, parts: list[Passed]) -> None:
+    """Copy a tensor (or rows of it) unchanged: its bytes where the input is safetensors, never loading it whole."""
+    spec, location = reader.spec(name), reader.byte_range(name)
+    for part in parts:
+        if location is None:
+            writer.add(part.name, reader.get(name)[part.start:part.stop])
+            continue
+        file, start, end = location
+        row = (end - start) // spec.shape[0] if spec.shape and spec.shape[0] else 0
+        stop = part.stop if part.stop is not None else (spec.shape[0] if spec.shape else 0)
+        moved = (file, start + part.start * row, start + stop * row) if row else location
+        writer.copy_bytes(part.spec(spec), moved)
 
 
 class FitsAhead:

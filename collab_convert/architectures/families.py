@@ -19,7 +19,7 @@ from ..format import COLLABORATIVE_FORM, MULTI_QUERY_FORM, SHARED_KEY_FORM, Head
 from ..modeling.forwards import bart_forward, gpt2_forward, gpt_bigcode_forward, mpnet_forward, opt_forward, t5_forward
 from ..modeling.shared_key import bart_shared_key_forward, t5_shared_key_forward
 from .layouts import FusedProjection, Layout, SeparateProjections
-from .multi_query import MultiQueryProjections
+from .multi_query import PHI3_AS_LLAMA, MultiQueryProjections
 from .shared_key import SharedKeyProjections
 
 
@@ -288,8 +288,8 @@ def _rotary_decoder(name: str, model_types: tuple[str, ...], layout: SharedKeyPr
 
 # The stock multi-query shape is one head_dim, one RoPE frequency list and plain 1/sqrt(d) attention: families
 # with per-head QK-norm, soft-capping or scalings of their own keep the shared-key form.
-_STOCK = ("the multi-query form writes stock llama, mistral and qwen2 checkpoints; other model types keep the "
-          "shared-key form (--key-cache)")
+_STOCK = ("the multi-query form writes stock llama, mistral, qwen2 and phi3 (as llama) checkpoints; other model "
+          "types keep the shared-key form (--key-cache)")
 
 
 ROTARY_FAMILIES: tuple[Family, ...] = (
@@ -302,11 +302,9 @@ ROTARY_FAMILIES: tuple[Family, ...] = (
                     SharedKeyProjections(query_norm="q_norm", key_norm="k_norm")),
     _rotary_decoder("olmo2", ("olmo2",), SharedKeyProjections(query_norm="q_norm", key_norm="k_norm",
                                                               norm_over_heads=True, input_norm=None)),
-    _rotary_decoder("phi3", ("phi3",), SharedKeyProjections(fused="qkv_proj"), kv_heads=_kv_heads,
-                    not_offered=_ROTARY + ((MULTI_QUERY_FORM, "transformers' Phi-3 config checks RoPE factors against "
-                                            "hidden_size / num_attention_heads, not head_dim, so a stock Phi-3 cannot "
-                                            "hold one wider key/value head; the shared-key form keeps it "
-                                            "(--key-cache)"),)),
+    # in the multi-query form, written as the closest stock family (Llama; Mistral with a sliding window)
+    _rotary_decoder("phi3", ("phi3",), SharedKeyProjections(fused="qkv_proj"),
+                    multi_query(MultiQueryProjections(fused="qkv_proj", written_as=PHI3_AS_LLAMA)), kv_heads=_kv_heads),
     # Partial rotary; qk_layernorm (optional) normalises each head's query and key.
     _rotary_decoder("phi", ("phi",), SharedKeyProjections(output="dense", query_norm="q_layernorm",
                                                           key_norm="k_layernorm")),

@@ -7,6 +7,7 @@ import json
 import os
 import re
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -175,3 +176,17 @@ def overwrite_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
                 handle.seek(offset)
                 if value.numel():
                     handle.write(value.reshape(-1).view(torch.uint8).numpy())
+
+
+@dataclass(frozen=True)
+class Passed:
+    """A tensor that passes through, written under `name`: rows [start, stop) of the input's (all of them by
+    default). A form that writes another family splits fused tensors this way, without loading them."""
+
+    name: str
+    start: int = 0
+    stop: int | None = None
+
+    def spec(self, spec: TensorSpec) -> TensorSpec:
+        rows = (self.stop if self.stop is not None else spec.shape[0]) - self.start
+        return TensorSpec(self.name, spec.dtype, (rows, *spec.shape[1:]) if spec.shape else spec.shape)

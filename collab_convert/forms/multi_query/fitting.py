@@ -56,7 +56,8 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
         return _fit_layer(source, layer, width, profile, record, options)
 
     # one layer at a time: refinement holds calibration samples, and the fits are small beside it
-    return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished)
+    return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished,
+                          passing=source.layout.passing)
 
 
 def _fit_layer(source: SourceModel, layer: AttentionLayer, width: int, profile: KeyRanks, record,

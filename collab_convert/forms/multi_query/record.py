@@ -64,7 +64,8 @@ def write_stock_config(source: SourceModel, width: int, profile: KeyRanks, folde
     shared key's frequencies; the provenance under MULTI_QUERY_RECORD."""
     from ...integration.rope import rope_frequencies, stock_rope_parameters
 
-    config = dict(source.config)
+    written_as = source.layout.written_as
+    config = written_as.config(source.config) if written_as else dict(source.config)
     rope = stock_rope_parameters(rope_frequencies(source.folder), slot_frequencies(profile))
     for legacy in ("rope_scaling", "rope_theta"):  # transformers' older names: rope_parameters holds them now
         config.pop(legacy, None)
@@ -74,7 +75,8 @@ def write_stock_config(source: SourceModel, width: int, profile: KeyRanks, folde
     config[MULTI_QUERY_RECORD] = {
         "form": MULTI_QUERY_FORM, "tool_version": __version__, "base_model": source.source,
         "kv_cache_share": round(width / layer.full_rank, 6), "key_frequency_ranks": list(profile.frequency_ranks),
-        "before": {"num_key_value_heads": layer.kv_heads, "head_dim": layer.shape.head_dim},
+        "before": {"num_key_value_heads": layer.kv_heads, "head_dim": layer.shape.head_dim,
+                   "model_type": source.config.get("model_type")},
         "source_gguf": _source_gguf(source.folder),
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
