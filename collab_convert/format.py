@@ -64,6 +64,15 @@ PASS_CORE = "pass_core"
 FUSED_QUERY = "query_projection"
 
 
+def load_guard(replaced: list[str], dtype: torch.dtype) -> TensorSpec | None:
+    """A tensor under the name of a projection the form replaced, holding no numbers. transformers without
+    collab-convert skips our quantization_config and would initialise the lost projection at random and load on,
+    silently wrong; this tensor's shape cannot be the projection's, so it refuses to load (a size mismatch)
+    instead. Our loader ignores it. None where the form replaces nothing (the model then loads as the original)."""
+    weights = [name for name in replaced if name.endswith(".weight")]
+    return TensorSpec(weights[0], dtype, (0,)) if weights else None
+
+
 @dataclass(frozen=True)
 class HeadCounts:
     """Heads of one attention module: kv_heads equals num_heads without grouping."""

@@ -11,6 +11,7 @@ import torch
 
 from .architectures.layouts import AttentionLayer
 from .architectures.source import SourceModel
+from .format import load_guard
 from .io.headers import TensorSpec
 from .io.writer import Passed, ShardWriter
 from .progress import DETAIL, Progress, no_progress
@@ -38,7 +39,7 @@ def unchanged(name: str, spec: TensorSpec) -> list[Passed]:
 def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progress: Progress,
                    layer_specs: Callable[[AttentionLayer], list[TensorSpec]], fit: LayerFitter,
                    finished: FinishedLayers | None = None, workers: int = 0,
-                   passing: Callable[[str, TensorSpec], list[Passed]] = unchanged):
+                   passing: Callable[[str, TensorSpec], list[Passed]] = unchanged, guarded: bool = False):
     """Stream every tensor to the output in input order; at each attention layer, fit it and write its new
     tensors in place of the ones they replace. Every output tensor's name, dtype and shape is known
     (layer_specs) before anything is computed.
@@ -48,13 +49,17 @@ def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progr
     and writing overlap, and memory holds at most `workers` layers in flight. There every torch operation runs
     on one thread, so the output bytes do not depend on the number of workers (a product summed by two
     threads rounds differently from one summed by one). `passing` says how each tensor that is not replaced is
-    written (unchanged, by default)."""
+    written (unchanged, by default). `guarded` writes each layer's load guard (format.load_guard) after its
+    tensors: forms that load only through our quantizer."""
     by_anchor = {layer.anchor: layer for layer in source.layers}
     replaced = {name for layer in source.layers for name in layer.replaced}
+    guards = {layer.prefix: load_guard(layer.replaced, source.reader.spec(layer.anchor).dtype) if guarded else None
+              for layer in source.layers}
     specs = []
     for name in source.reader.names():
         if name in by_anchor:
-            specs += layer_specs(by_anchor[name])
+            layer = by_anchor[name]
+            specs += layer_specs(layer) + ([guards[layer.prefix]] if guards[layer.prefix] else [])
         if name not in replaced:
             spec = source.reader.spec(name)
             specs += [part.spec(spec) for part in passing(name, spec)]
@@ -76,6 +81,8 @@ def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progr
                 progress("writing", index, len(names))
                 for new_name, tensor in tensors.items():
                     writer.add(new_name, tensor)
+                if guards[layer.prefix]:
+                    writer.add(guards[layer.prefix].name, torch.empty(0, dtype=guards[layer.prefix].dtype))
             elif index % 16 == 0:
                 progress("writing", index, len(names))
             if name not in replaced:

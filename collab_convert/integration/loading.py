@@ -9,6 +9,7 @@ transformers' public registration API and no remote code.
 
 from __future__ import annotations
 
+import re
 
 import torch
 from transformers import AutoConfig, AutoModel
@@ -45,6 +46,7 @@ class CollaborativeQuantizer(HfQuantizer):
         converted = collaborate_model(model, family_named(config.family), config.layers, base)
         self._converted = converted
         _check_complete(model, converted, kwargs.get("checkpoint_files") or [], base)
+        _ignore_load_guards(model, converted, base)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -91,6 +93,15 @@ def _check_complete(model, converted: list[str], checkpoint_files: list[str], ba
             if stored and wanted not in stored:
                 raise ValueError(f"the collaborative checkpoint has no {wanted}: it is incomplete or was altered; "
                                  "compress the original model again")
+
+
+def _ignore_load_guards(model, converted: list[str], base: str | None) -> None:
+    """Each converted module's load guard (format.load_guard: a replaced projection's name, holding nothing) is no
+    parameter of the converted model: not a key to warn of."""
+    from ..modeling.collaborative import strip_prefix
+
+    patterns = {rf"(^|\.){re.escape(strip_prefix(name, base))}\.\w+\.weight$" for name in converted}
+    model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | patterns
 
 
 def register() -> None:

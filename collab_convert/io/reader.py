@@ -21,7 +21,7 @@ class TensorReader:
     """Name -> tensor, loaded on demand. Safetensors shards are opened lazily and memory-mapped.
 
     `rename` maps the file's keys to the names callers use (the loaded model's naming, see naming.py).
-    Thread-safe: layers are fitted ahead of the writer in worker threads (stages.stream_weights).
+    Thread-safe: layers are fitted ahead of the writer in worker threads (streaming.stream_weights).
     """
 
     def __init__(self, folder: Path, rename=None):

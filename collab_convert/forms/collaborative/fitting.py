@@ -70,7 +70,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
         return layer_report(layer, rank, layer_fit, refinement, time.perf_counter() - started, keeps_bias), tensors
 
     return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished,
-                          workers=0 if steps else fit_workers())
+                          workers=0 if steps else fit_workers(), guarded=True)
 
 
 def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[str, int], metrics, progress: Progress,

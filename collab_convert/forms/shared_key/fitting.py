@@ -128,7 +128,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
 
     refined = bool(calibrations and options.refine_steps)  # refinement holds calibration samples: one layer at a time
     return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished,
-                          workers=0 if refined else fit_workers())
+                          workers=0 if refined else fit_workers(), guarded=True)
 
 
 def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, statistics: KeyStatistics,

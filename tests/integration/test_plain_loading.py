@@ -1,0 +1,123 @@
+"""Every output form, loaded the ordinary way (transformers alone, in a Python that never imports collab_convert):
+it loads right or refuses loudly, never silently wrong. The CP and shared-key checkpoints need our loader, so they
+carry a load guard that makes transformers refuse them; the multi-query checkpoint is stock and loads as it is; a
+shared-key checkpoint that replaces nothing (a key norm keeps the key projection) loads as the original model."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from collab_convert import CompressOptions, compress
+from fixtures.models import FAMILY_CASES, ROTARY_CASES, build_family, build_rotary
+
+# Loads each checkpoint with transformers alone and prints what became of it: refused (and the error's last line),
+# or its outputs' largest difference from a reference folder loaded the same way.
+PLAIN = r"""
+import json, sys, torch, transformers
+cases = json.loads(sys.argv[1])
+
+def outputs(folder, auto, kind):
+    model = getattr(transformers, auto).from_pretrained(folder).eval()
+    generator = torch.Generator().manual_seed(0)
+    if kind == "vision":
+        inputs = {"pixel_values": torch.randn(1, 3, 16, 16, generator=generator)}
+    else:
+        inputs = {"input_ids": torch.randint(3, 50, (1, 12), generator=generator)}
+        if kind == "seq2seq":
+            inputs["decoder_input_ids"] = torch.randint(3, 50, (1, 7), generator=generator)
+    with torch.no_grad():
+        result = model(**inputs)
+    return result.logits if hasattr(result, "logits") else result.last_hidden_state
+
+seen = {}
+for name, case in cases.items():
+    try:
+        loaded = outputs(case["folder"], case["auto"], case["kind"])
+    except Exception as error:
+        seen[name] = {"refused": str(error).strip().splitlines()[-1]}
+        continue
+    reference = outputs(case["reference"], case["auto"], case["kind"])
+    seen[name] = {"difference": float((loaded - reference).abs().max() / reference.abs().max())}
+print(json.dumps({"seen": seen, "imported_us": "collab_convert" in sys.modules}))
+"""
+
+ROTARY = {case.name: case for case in ROTARY_CASES}
+
+
+def _cases(root):
+    """name -> (what a plain load must do, the case for the loading script)."""
+    cases = {}
+
+    def add(name, expected, source, options, auto, kind):
+        out = root / name
+        compress(str(source), CompressOptions(output=out, **options))
+        cases[name] = (expected, {"folder": str(out), "reference": str(source), "auto": auto, "kind": kind})
+
+    for family in FAMILY_CASES:
+        source = root / f"{family.name}-in"
+        build_family(family, source)
+        add(f"{family.name} collaborative", "refuses", source, {"rank": family.full_rank // 2}, family.auto,
+            family.kind)
+        if family.name == "bert":  # exact at full rank, and still only through our loader
+            add("bert collaborative full rank", "refuses", source, {"rank": family.full_rank}, family.auto,
+                family.kind)
+        if family.name in ("gpt2", "t5"):
+            add(f"{family.name} shared-key", "refuses", source, {"form": "shared-key", "key_cache": 0.5},
+                family.auto, family.kind)
+    for name in ("llama", "phi3", "gpt_neox", "qwen3"):
+        source = root / f"{name}-in"
+        build_rotary(ROTARY[name], source)
+        # Qwen3's key norm sits between its key projection and RoPE: the form keeps the projection, replaces nothing
+        add(f"{name} shared-key", "the original" if name == "qwen3" else "refuses", source, {"key_cache": 0.5},
+            ROTARY[name].model_class, "causal")
+        if name in ("llama", "phi3"):
+            add(f"{name} multi-query full width", "the original", source, {"kv_cache": 1.0},
+                "AutoModelForCausalLM", "causal")
+    return cases
+
+
+@pytest.fixture(scope="module")
+def plain_loads(tmp_path_factory):
+    cases = _cases(tmp_path_factory.mktemp("plain"))
+    done = subprocess.run([sys.executable, "-c", PLAIN, json.dumps({n: c for n, (_, c) in cases.items()})],
+                          capture_output=True, text=True, check=True)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not report["imported_us"]
+    return {name: (expected, report["seen"][name]) for name, (expected, _) in cases.items()}
+
+
+@pytest.mark.slow
+def test_no_output_form_loads_silently_wrong_without_our_package(plain_loads):
+    wrong = {}
+    for name, (expected, seen) in plain_loads.items():
+        if expected == "refuses" and "refused" not in seen:
+            wrong[name] = f"loaded (outputs {seen['difference']:.2e} from the original)"
+        if expected == "the original" and seen.get("difference", 1.0) > 1e-4:
+            wrong[name] = seen
+    assert not wrong, wrong
+
+
+@pytest.mark.slow
+def test_a_refusal_says_the_shapes_disagree(plain_loads):
+    refusals = [seen["refused"] for expected, seen in plain_loads.values() if "refused" in seen]
+    assert refusals and all("ignore_mismatched_sizes" in message for message in refusals)
+
+
+def test_our_loader_reads_a_guarded_checkpoint_without_a_warning(tmp_path, caplog):
+    """The guard is no parameter of the converted model: loading through collab_convert reports nothing unexpected."""
+    from transformers import AutoModel
+
+    import collab_convert
+    from collab_convert.io.reader import TensorReader
+
+    family = next(case for case in FAMILY_CASES if case.name == "bert")
+    build_family(family, tmp_path / "in")
+    compress(str(tmp_path / "in"), CompressOptions(output=tmp_path / "out", rank=8))
+    reader = TensorReader(tmp_path / "out")
+    guards = [name for name in reader.names() if reader.spec(name).shape == (0,)]
+    assert guards == [f"encoder.layer.{i}.attention.self.query.weight" for i in range(2)]
+    with caplog.at_level("WARNING"):
+        collab_convert.load_model(tmp_path / "out", AutoModel)
+    assert not [record for record in caplog.records if "UNEXPECTED" in record.getMessage()]
