@@ -92,7 +92,8 @@ def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progr
     progress("writing", len(names), len(names))
     files = writer.finish()
     progress("writing", len(names), len(names))
-    return reports, files
+    order = {layer.prefix: index for index, layer in enumerate(source.layers)}  # numeric: layer 2 before layer 10
+    return sorted(reports, key=lambda report: order[report.name]), files
 
 
 def _pass_through(reader, writer: ShardWriter, name: str, parts: list[Passed]) -> None:

@@ -144,3 +144,26 @@ def test_output_bytes_do_not_depend_on_how_many_layers_are_fitted_side_by_side(m
     compress(str(minilm_path), CompressOptions(rank=96, output=tmp_path / "two", threads=2, plots=False))
     one, two = (tmp_path / name / "model.safetensors" for name in ("one", "two"))
     assert one.read_bytes() == two.read_bytes()
+
+
+@pytest.mark.parametrize("form", ["collaborative", "shared-key"])
+def test_layers_are_reported_in_numeric_order(tmp_path, form):
+    """Tensor names sort as text (layer 10 before layer 2); reports, config and report.md read as the model does."""
+    from fixtures.models import ROTARY_CASES, RotaryCase, build_rotary, save_tiny
+
+    if form == "collaborative":
+        save_tiny(tmp_path / "in", num_hidden_layers=12)
+        options, site = {"rank": 8}, "encoder.layer."
+    else:
+        llama = next(case for case in ROTARY_CASES if case.name == "llama")
+        build_rotary(RotaryCase("llama", llama.config_class, llama.model_class,
+                                {**llama.settings, "num_hidden_layers": 12}), tmp_path / "in")
+        options, site = {"key_cache": 0.5}, "model.layers."
+    result = compress(str(tmp_path / "in"), CompressOptions(output=tmp_path / "out", **options))
+    numbers = [int(layer.name[len(site):].split(".")[0]) for layer in result.layers]
+    assert numbers == list(range(12))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert [int(name[len(site):].split(".")[0]) for name in config["quantization_config"]["layers"]] == numbers
+    table = [line.split("|")[1].strip() for line in (tmp_path / "out" / "report.md").read_text().splitlines()
+             if line.startswith(f"| {site}")]
+    assert [int(name[len(site):].split(".")[0]) for name in table] == numbers * (len(table) // 12)  # every table
