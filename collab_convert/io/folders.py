@@ -58,7 +58,7 @@ def resolve_model(model: str) -> Path:
             return _embedded(model)
         raise BadInputError(
             f"{model} is neither a folder nor in the local Hugging Face cache; download it first "
-            f"(`huggingface-cli download {model}`) or give a local folder"
+            f"(`hf download {model}`) or give a local folder"
         )
     raise BadInputError(f"{model}: no such folder")
 

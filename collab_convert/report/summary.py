@@ -22,11 +22,10 @@ def cost_lines(result: "CompressResult", form) -> list[str]:
     before, after = _sum(result, "cost_before", "parameters"), _sum(result, "cost_after", "parameters")
     cache_before = _sum(result, "cost_before", terms.cache_key)
     cache_after = _sum(result, "cost_after", terms.cache_key)
-    lines = [
-        f"- {terms.parameters}: {before:,} -> {after:,} ({_share(after, before)} of the original)",
-        f"- {terms.cache}, all layers: {cache_before:,} -> {cache_after:,} numbers "
-        f"({_share(cache_after, cache_before)})",
-    ]
+    lines = [f"- {terms.parameters}: {before:,} -> {after:,} ({_share(after, before)} of the original)"]
+    if cache_before:  # an encoder caches nothing: no cache line to print
+        lines.append(f"- {terms.cache}, all layers: {cache_before:,} -> {cache_after:,} numbers "
+                     f"({_share(cache_after, cache_before)})")
     per_token = []
     for n in SEQUENCE_LENGTHS:
         b = sum(layer.cost_before["flops_per_token"][str(n)] for layer in result.layers)

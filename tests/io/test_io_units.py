@@ -25,7 +25,7 @@ def test_hub_id_not_in_the_cache_says_how_to_get_it(tmp_path, monkeypatch):
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(BadInputError, match="huggingface-cli download acme/missing"):
+    with pytest.raises(BadInputError, match="hf download acme/missing"):
         resolve_model("acme/missing")
 
 

@@ -102,3 +102,13 @@ def test_a_shared_key_report_reads_in_its_own_terms(tmp_path):
     assert "form: shared-key (collab-convert" in report
     write_reports(result, form, tmp_path)
     assert '"form": "shared-key"' in (tmp_path / "report.json").read_text()
+
+
+def test_an_encoder_has_no_key_cache_line(tmp_path):
+    """Encoders cache nothing (their costs count no cache); the card and report.md say nothing of a cache."""
+    result = a_result()
+    for layer in result.layers:
+        layer.cost_before["key_cache_per_token"] = layer.cost_after["key_cache_per_token"] = 0
+    write_model_card(result, CP, CardSource(base_model="acme/tiny"), tmp_path)
+    for text in ((tmp_path / "README.md").read_text(), markdown_report(result, CP)):
+        assert "key cache per token (decoders), all layers" not in text
