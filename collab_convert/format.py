@@ -194,3 +194,17 @@ def write_config(original: dict[str, Any], family: str, method: str | None, laye
         if key != "method" or method is not None
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+
+
+def recorded_base(folder: Path) -> str | None:
+    """The base model a compressed folder came from, as it records it: the multi-query form's provenance in
+    config.json, else report.json's `model` (every form writes it). None where neither says."""
+    for file, read in (("config.json", lambda data: (data.get(MULTI_QUERY_RECORD) or {}).get("base_model")),
+                       ("report.json", lambda data: data.get("model"))):
+        try:
+            base = read(json.loads((Path(folder) / file).read_text(encoding="utf-8")))
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(base, str) and base:
+            return base
+    return None

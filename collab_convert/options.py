@@ -234,7 +234,8 @@ class VerifyOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    against: str = Field(description="The base model it came from.")
+    against: str | None = Field(None, description="The base model it came from (default: the one the checkpoint "
+                                "records in report.json or config.json).")
     texts: Path = Field(description="Text file (one example per line) or folder of .txt files.")
     samples: int = Field(1000, ge=1, description="Examples to read at most.")
     min_cosine: float | None = Field(None, description="Exit 1 if the mean cosine of final hidden states is below "

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from collab_convert.cli import app
+from collab_convert.cli import app, main
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,3 +128,16 @@ def test_analyze_of_minilm_fits_80_columns(monkeypatch):
     assert result.exit_code == 0, result.output
     assert "…" not in result.stdout and "layer 5" in result.stdout
     assert all(len(line) <= 80 for line in result.stdout.splitlines() if line[:1] in "┏┃┡│└")
+
+
+def test_verify_defaults_to_the_base_the_checkpoint_records(tiny_bert, calibration_file, tmp_path):
+    runner.invoke(app, ["compress", str(tiny_bert), "--rank", "24", "-o", str(tmp_path / "out")])
+    result = runner.invoke(app, ["verify", str(tmp_path / "out"), "--texts", str(calibration_file), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["against"] == str(tiny_bert)
+
+
+def test_verify_without_a_recorded_base_asks_for_one(tiny_bert, calibration_file, capsys):
+    assert main(["verify", str(tiny_bert), "--texts", str(calibration_file)]) == 3
+    error = capsys.readouterr().err
+    assert "records no base model" in error and "--against" in error

@@ -94,19 +94,26 @@ def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: i
     return agree / max(total, 1), kl_sum / max(total, 1)
 
 
-def verify(model: str, against: str, texts: list[str], thresholds: dict[str, float] | None = None,
+def verify(model: str, against: str | None, texts: list[str], thresholds: dict[str, float] | None = None,
            max_length: int = 128, progress=None, device: str = "cpu") -> VerifyResult:
-    """Load both checkpoints on `device` and compare them on `texts`; list every threshold that fails."""
+    """Load both checkpoints on `device` and compare them on `texts`; list every threshold that fails. `against`
+    None: the base the checkpoint records."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from ..architectures.lookup import within_positions
+    from ..format import recorded_base
     from ..io.folders import resolve_model
     from .loading import for_measuring, load_tokenizer, register
 
     if unavailable(device):
         raise BadInputError(unavailable(device))
     register()
-    folder, base_folder = resolve_model(model), resolve_model(against)
+    folder = resolve_model(model)
+    against = against or recorded_base(folder)
+    if against is None:
+        raise BadInputError(f"{model} records no base model (no report.json of collab-convert's); give --against "
+                            "MODEL")
+    base_folder = resolve_model(against)
     tokenizer = load_tokenizer(folder, f"verifying {model}")
     config = AutoConfig.from_pretrained(base_folder)
     causal = is_language_model(config.architectures)
