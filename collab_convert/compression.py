@@ -19,7 +19,7 @@ import torch
 from .architectures.source import SourceModel, open_model
 from .forms import Form, FormPlan, form_named
 from .io.folders import StagedOutput, copy_non_weight_files
-from .options import CompressOptions
+from .options import CompressOptions, gate_failures
 from .progress import Progress, StageClock, no_progress
 from .results import CompressPlan, CompressResult
 from .resume import FinishedLayers
@@ -92,7 +92,11 @@ def _stages(source: SourceModel, form: Form, form_plan: FormPlan, options: Compr
     if held_out is not None and estimator is not None:  # calibration lends lines to measure the result on
         progress("measuring fidelity", 0, 1)
         result.fidelity = estimator.measured(staged.folder)
+        result.failures = gate_failures(result.fidelity, options.thresholds)
         progress("measuring fidelity", 1, 1)
+    elif options.gated:  # a gate that nothing measured must not pass
+        result.failures = [f"fidelity was not measured ({source.family.name} models are not run on text here): "
+                           "the --min-cosine/--min-top1/--max-kl gates cannot pass"]
     if options.timing:
         result.runtime = _timed(source, staged.folder, progress)
     progress("writing reports and plots", 0, 1)

@@ -36,6 +36,53 @@ def _known_device(value: str) -> str:
 DeviceName = Annotated[str, AfterValidator(_known_device)]  # every job's --device, checked by one rule
 
 
+# gate -> (the measured figure it reads, passes(value, threshold)); the figures are those of fidelity measurements
+# (compress's `fidelity`, verify's result)
+_GATES = {
+    "min_cosine": ("cosine_mean", lambda v, t: v >= t),
+    "min_cosine_p01": ("cosine_p01", lambda v, t: v >= t),
+    "min_top1": ("top1_agreement", lambda v, t: v is not None and v >= t),
+    "max_kl": ("kl_mean", lambda v, t: v is not None and v <= t),
+}
+
+
+class FidelityGates(BaseModel):
+    """Thresholds on measured fidelity (exit 1 where one fails): verify measures on --texts, compress on held-out
+    --calibration lines."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_cosine: float | None = Field(None, description="Exit 1 if the mean cosine of final hidden states to the "
+                                     "original's is below this (measured on held-out lines).")
+    min_cosine_p01: float | None = Field(None, description="Exit 1 if the 1st-percentile cosine is below this.")
+    min_top1: float | None = Field(None, description="Language models: exit 1 if next-token top-1 agreement with "
+                                   "the original is below this.")
+    max_kl: float | None = Field(None, description="Language models: exit 1 if the mean next-token KL to the "
+                                 "original exceeds this.")
+
+    @property
+    def thresholds(self) -> dict[str, float | None]:
+        return {name: getattr(self, name) for name in _GATES}
+
+    @property
+    def gated(self) -> bool:
+        return any(value is not None for value in self.thresholds.values())
+
+
+def gate_failures(figures: dict, thresholds: dict[str, float | None]) -> list[str]:
+    """One line per threshold the measured `figures` fail, in the words of the CLI flag."""
+    failures = []
+    for name, threshold in thresholds.items():
+        if threshold is None:
+            continue
+        field, passes = _GATES[name]
+        value = figures.get(field)
+        if not passes(value, threshold):
+            shown = "n/a (not a language model)" if value is None else f"{value:.4f}"
+            failures.append(f"{field} {shown} fails --{name.replace('_', '-')} {threshold}")
+    return failures
+
+
 class _ModelInputs(BaseModel):
     """Options shared by analyze and compress: the form to compress into, and the real inputs a job may run the
     model on."""
@@ -78,7 +125,7 @@ class _ModelInputs(BaseModel):
                         "model's calibration passes and everything that runs the model or refines after them.")
 
 
-class CompressOptions(_ModelInputs):
+class CompressOptions(_ModelInputs, FidelityGates):
     """Options shared by the CLI and the Python API."""
 
     rank: int | Literal["auto"] | None = Field(
@@ -229,24 +276,11 @@ class ExportOptions(BaseModel):
                                                  "(norms and biases stay f32).")
 
 
-class VerifyOptions(BaseModel):
+class VerifyOptions(FidelityGates):
     """What `verify` measures a compressed checkpoint on, against which base, and the thresholds it gates on."""
-
-    model_config = ConfigDict(extra="forbid")
 
     against: str | None = Field(None, description="The base model it came from (default: the one the checkpoint "
                                 "records in report.json or config.json).")
     texts: Path = Field(description="Text file (one example per line) or folder of .txt files.")
     samples: int = Field(1000, ge=1, description="Examples to read at most.")
-    min_cosine: float | None = Field(None, description="Exit 1 if the mean cosine of final hidden states is below "
-                                     "this.")
-    min_cosine_p01: float | None = Field(None, description="Exit 1 if the 1st-percentile cosine is below this.")
-    min_top1: float | None = Field(None, description="Language models: exit 1 if next-token top-1 agreement is "
-                                   "below this.")
-    max_kl: float | None = Field(None, description="Language models: exit 1 if the mean next-token KL exceeds this.")
     device: DeviceName = Field("cpu", description="Run both models on cpu or cuda[:N].")
-
-    @property
-    def thresholds(self) -> dict[str, float | None]:
-        return {"min_cosine": self.min_cosine, "min_cosine_p01": self.min_cosine_p01, "min_top1": self.min_top1,
-                "max_kl": self.max_kl}

@@ -198,6 +198,8 @@ class CompressResult(_Data):
     threads: dict[str, Any] | None = None  # CPU threads the math ran on, and why that many (cpu.py)
     # with --timing: milliseconds per token of the original and the result, measured side by side (runtime.py)
     runtime: dict[str, Any] | None = None
+    # the fidelity gates (--min-cosine, --min-top1, ...) the measured fidelity fails, one line each; [] where all pass
+    failures: list[str] | None = None
 
     @property
     def parameters_before(self) -> int:

@@ -28,6 +28,10 @@ def check_plan(source: SourceModel, options: CompressOptions, form_plan) -> Comp
     check_device(options.device)
     if options.distill_steps:
         _check_distillation(source, options)
+    if options.gated and options.calibration is None:
+        raise BadInputError("--min-cosine, --min-cosine-p01, --min-top1 and --max-kl gate on fidelity measured on "
+                            "held-out --calibration lines: give --calibration, or run `collab-convert verify` on "
+                            "your own text")
     layers = form_plan.layers
     return CompressPlan(
         model=source.source,

@@ -64,7 +64,10 @@ def analyze(
 @with_options(CompressOptions, after="model")
 def compress(
     model: str = typer.Argument(None, help=MODEL_HELP, show_default=False, metavar="MODEL"),
-    max_error: Optional[float] = typer.Option(None, "--max-error", help="Exit 1 if any layer's relative error exceeds this."),
+    max_error: Optional[float] = typer.Option(None, "--max-error", help="Exit 1 if any layer's weight error (the "
+                                              "error column) exceeds this. A calibrated fit targets outputs, not "
+                                              "weights: gate it on measured fidelity (--min-cosine, --min-top1, "
+                                              "--max-kl)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check the model, ranks and output location; write nothing."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
@@ -93,11 +96,14 @@ def compress(
         typer.echo(result_json(result, indent=None))
     else:
         print_compression(result, chosen.rank)
+    failures = list(result.failures or [])
     failed = [layer for layer in result.layers if max_error is not None and layer.relative_error > max_error]
     if failed:
         worst = max(failed, key=lambda layer: layer.relative_error)
-        print_error(f"{len(failed)} layer(s) exceed --max-error {max_error}: worst {worst.name} at "
-              f"{worst.relative_error:.4f}")
+        failures.append(f"{len(failed)} layer(s) exceed --max-error {max_error}: worst {worst.name} at "
+                        f"{worst.relative_error:.4f}")
+    if failures:
+        print_error("; ".join(failures))
         raise typer.Exit(1)
 
 

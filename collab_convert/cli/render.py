@@ -87,8 +87,15 @@ def print_plan(checked) -> None:
     )
 
 
+def _sentence(line: str) -> str:
+    """A report.md bullet ("- fidelity, measured on ...: ...") as a sentence of the terminal summary."""
+    line = line.removeprefix("- ")
+    return line[:1].upper() + line[1:] + ("" if line.endswith(".") else ".")
+
+
 def print_compression(result, rank) -> None:
     from ..forms import form_named
+    from ..report.summary import fidelity_lines
     from ..results import layer_labels
 
     labels = layer_labels([layer.name for layer in result.layers])
@@ -100,11 +107,11 @@ def print_compression(result, rank) -> None:
     for layer, own in zip(result.layers, cells, strict=True):
         shown.add_row(labels[layer.name], *own, f"{layer.parameters_before:,}", f"{layer.parameters_after:,}")
     stdout.print(shown)
-    stdout.print(
-        f"Wrote {result.output} in {result.seconds:.1f} s. {form.terms.parameters_line} {result.parameters_before:,} "
-        f"-> {result.parameters_after:,}; mean relative error {result.mean_relative_error:.4f}.\n"
-        f"Next: {form.next_step(result)}"
-    )
+    lines = [f"Wrote {result.output} in {result.seconds:.1f} s. {form.terms.parameters_line} "
+             f"{result.parameters_before:,} -> {result.parameters_after:,}.", form.rank_sentence(result),
+             _sentence(form.error_line(result)), _sentence(fidelity_lines(result)[0])]
+    stdout.print("\n".join(lines + [f"Next: {form.next_step(result)}"]), highlight=False)
+
 
 
 def print_verification(result) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from ..devices import HOST, Device, moved, unavailable
 from ..errors import BadInputError
+from ..options import gate_failures
 from ..results import VerifyResult
 
 
@@ -134,28 +135,7 @@ def verify(model: str, against: str | None, texts: list[str], thresholds: dict[s
             for_measuring(AutoModelForCausalLM.from_pretrained(base_folder)).to(device),
             tokenizer, texts, max_length, progress, device,
         )
-    result.failures = threshold_failures(result, thresholds or {})
+    result.failures = gate_failures(result.to_dict(), thresholds or {})
     return result
 
 
-# threshold name -> (result field, passes(value, threshold))
-_CHECKS = {
-    "min_cosine": ("cosine_mean", lambda v, t: v >= t),
-    "min_cosine_p01": ("cosine_p01", lambda v, t: v >= t),
-    "min_top1": ("top1_agreement", lambda v, t: v is not None and v >= t),
-    "max_kl": ("kl_mean", lambda v, t: v is not None and v <= t),
-}
-
-
-def threshold_failures(result: VerifyResult, thresholds: dict[str, float | None]) -> list[str]:
-    """One line per threshold the result fails, in the words of the CLI flag."""
-    failures = []
-    for name, threshold in thresholds.items():
-        if threshold is None:
-            continue
-        field, passes = _CHECKS[name]
-        value = getattr(result, field)
-        if not passes(value, threshold):
-            shown = "n/a (not a language model)" if value is None else f"{value:.4f}"
-            failures.append(f"{field} {shown} fails --{name.replace('_', '-')} {threshold}")
-    return failures

@@ -39,8 +39,8 @@ def cost_lines(result: "CompressResult", form) -> list[str]:
 def fidelity_lines(result: "CompressResult") -> list[str]:
     figures = result.fidelity
     if not figures:
-        return ["- fidelity: not measured here; run `collab-convert verify OUT --against MODEL --texts FILE` "
-                "on your own text"]
+        return ["- fidelity: not measured here (compress with --calibration measures it on held-out lines); run "
+                "`collab-convert verify OUT --texts FILE` on your own text"]
     line = (f"- fidelity, measured on {figures['measured_on']}: embedding cosine mean {figures['cosine_mean']:.4f}, "
             f"1st percentile {figures['cosine_p01']:.4f}")
     if figures.get("top1_agreement") is not None:

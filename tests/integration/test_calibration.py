@@ -173,3 +173,28 @@ def test_gpt2_refines_with_its_own_per_layer_scaling(tmp_path, calibration_file)
     assert all(layer.refinement and layer.refinement["kl_after"] <= layer.refinement["kl_before"]
                for layer in result.layers)
     assert "not available" not in result.calibration["refinement"]
+
+
+def test_compress_headlines_and_gates_on_the_fidelity_it_measured(tiny_bert, calibration_file, tmp_path, capsys):
+    """The weight error of a calibrated fit says little of the model; the fidelity measured on held-out lines
+    does: the terminal and --json carry it, and --min-cosine / --min-top1 / --max-kl gate on it (exit 1)."""
+    arguments = ["compress", str(tiny_bert), "--rank", "24", "--calibration", str(calibration_file), "--refine-steps",
+                 "5", "--calibration-samples", "24"]
+    assert main(arguments + ["-o", str(tmp_path / "pass"), "--min-cosine", "0.1", "-q"]) == 0
+    shown = capsys.readouterr().out
+    assert "Fidelity, measured on 8 held-out lines" in shown and "embedding cosine mean" in shown
+    assert "Weight error" in shown and "targets the outputs" in shown
+    assert main(arguments + ["-o", str(tmp_path / "json"), "--min-cosine", "0.1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["failures"] == [] and 0.1 < result["fidelity"]["cosine_mean"] <= 1.0 + 1e-6
+    assert main(arguments + ["-o", str(tmp_path / "fail"), "--min-cosine", "1.01", "--max-kl", "0.5", "-q"]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("error: cosine_mean") and "fails --min-cosine 1.01" in error and error.count("\n") == 1
+    assert "top1_agreement" not in error  # no --min-top1 asked; --max-kl on an encoder: not a language model
+    assert "kl_mean n/a (not a language model) fails --max-kl 0.5" in error
+
+
+def test_a_fidelity_gate_without_calibration_is_refused_before_any_work(tiny_bert, tmp_path, capsys):
+    assert main(["compress", str(tiny_bert), "--rank", "24", "-o", str(tmp_path / "out"), "--min-top1", "0.9"]) == 3
+    assert "give --calibration" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -65,7 +65,7 @@ def test_report_and_card_tell_the_same_story(tmp_path):
 
 def test_without_measurements_the_card_says_how_to_measure(tmp_path):
     write_model_card(a_result(), CP, CardSource(base_model=None), tmp_path)
-    assert "fidelity: not measured here; run `collab-convert verify" in (tmp_path / "README.md").read_text()
+    assert "fidelity: not measured here (compress with --calibration measures it on held-out lines); run `collab-convert verify" in (tmp_path / "README.md").read_text()
 
 
 def test_card_front_matter_comes_from_the_source_metadata(tmp_path):

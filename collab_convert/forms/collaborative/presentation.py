@@ -30,7 +30,10 @@ def rank_sentence(result: CompressResult) -> str:
 
 
 def error_line(result: CompressResult) -> str:
-    return f"- mean relative error of the head products: {result.mean_relative_error:.4f}"
+    line = f"- weight error (relative error of the head products, mean over layers): {result.mean_relative_error:.4f}"
+    if result.calibration:  # the calibrated fit trades weight error for output fidelity: say which to read
+        line += " (a calibrated fit targets the outputs on real text, not the weights: read the fidelity measured)"
+    return line
 
 
 def compute_line(result: CompressResult) -> str:
