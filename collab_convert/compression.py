@@ -23,14 +23,14 @@ from .options import CompressOptions, gate_failures
 from .progress import Progress, StageClock, no_progress
 from .results import CompressPlan, CompressResult
 from .resume import FinishedLayers
-from .stages import calibration_texts, check_plan, distill_checkpoint, within_positions
+from .stages import calibration_texts, check_plan, decoder_calibration, distill_checkpoint, within_positions
 
 
 def plan(model: str, options: CompressOptions) -> CompressPlan:
     """Check the model, the sizes and the output location; decompose nothing, write nothing."""
     source = open_model(model, options.requested_form)
     try:
-        return _check(source, options)[0]
+        return _check(source, decoder_calibration(source, options)[0])[0]
     finally:
         source.close()
 
@@ -59,16 +59,17 @@ def _compress(model: str, options: CompressOptions, progress: Progress, threads:
     source = open_model(model, options.requested_form)
     progress("opening the model", 1, 1)
     try:
+        options, warning = decoder_calibration(source, options)
         checked, form, form_plan = _check(source, options)  # refuse bad input before the costly calibration
         with StagedOutput(Path(checked.output), options.overwrite, options.resume) as staged:
-            result = _stages(source, form, form_plan, options, progress, staged, threads, started)
+            result = _stages(source, form, form_plan, options, progress, staged, threads, started, warning)
     finally:
         source.close()
     return result
 
 
 def _stages(source: SourceModel, form: Form, form_plan: FormPlan, options: CompressOptions, progress: StageClock,
-            staged: StagedOutput, threads: dict[str, Any], started: float) -> CompressResult:
+            staged: StagedOutput, threads: dict[str, Any], started: float, warning: str | None) -> CompressResult:
     """Everything after the checks, inside the staging folder (its scratch space holds what a block-at-a-time
     calibration keeps on disk)."""
     options = within_positions(source, options)
@@ -83,7 +84,7 @@ def _stages(source: SourceModel, form: Form, form_plan: FormPlan, options: Compr
     result = CompressResult(
         model=source.source, output=str(staged.output), family=source.family.name, form=form.name,
         method=form_plan.method, layers=reports, files=[], seconds=0.0, calibration=statistics.calibration,
-        rank_choice=size_choice, threads=threads,
+        rank_choice=size_choice, threads=threads, warnings=[warning] if warning else [],
     )
     form.write_record(source, reports, staged.folder, options, statistics)
     if options.distill_steps:  # checked with the plan: calibration texts and a language model are there

@@ -171,6 +171,10 @@ class CompressOptions(_ModelInputs, FidelityGates):
         description="Folder to write the collaborative checkpoint to.",
         json_schema_extra={"flags": ["--output", "-o"]},
     )
+    # Language models calibrate on built-in English text unless given --calibration (stages.decoder_calibration)
+    weight_only: bool = Field(False, description="Language models: fit from the weights alone instead of on the "
+                              "built-in English text they calibrate on by default (much faster; a decoder loses "
+                              "much more, and the run says so).")
     seed: int = Field(0, description="Seed for anything random (the default fit has no random step).")
     max_iterations: int = Field(500, ge=0, description="ALS iterations per layer at most.")
     tolerance: float = Field(

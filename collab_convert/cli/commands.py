@@ -16,6 +16,7 @@ from .render import (
     print_analysis,
     print_compression,
     print_error,
+    print_warning,
     print_plan,
     print_verification,
     run_with_progress,
@@ -92,6 +93,8 @@ def compress(
             print_plan(checked)
         return
     result = run_with_progress(run_compress, model or DEFAULT_MODEL, chosen, show=not as_json)
+    for warning in result.warnings or []:
+        print_warning(warning)
     if as_json:
         typer.echo(result_json(result, indent=None))
     else:

@@ -27,6 +27,11 @@ def print_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
 
 
+def print_warning(message: str) -> None:
+    """One line on stderr, even with --json or --quiet: stdout stays one JSON object, and the warning is also in it."""
+    print(f"warning: {message}", file=sys.stderr)
+
+
 def _progress_bar(enabled: bool):
     if not enabled or Quiet.quiet:
         return None

@@ -133,7 +133,8 @@ def shared_key_attention(module, query, key, value, attention_mask, scaling=None
         value = value.repeat_interleave(heads // value.shape[1], dim=1)
     position_bias = kwargs.get("position_bias")
     training = torch.is_grad_enabled() and (query.requires_grad or module.mixing.requires_grad)
-    if not keep_weights and not training and not is_tracing() and query.device.type == "cpu":
+    # the host's own memory only: an accelerator (and the tests' stand-in for one, "cpu:1") takes the batched path
+    if not keep_weights and not training and not is_tracing() and query.device == torch.device("cpu"):
         return _blocked_inference(module, shared_query, packed_key, value, attention_mask, position_bias, scaling,
                                   dropout, kwargs.get("is_causal")), None
     queries = shared_query.unsqueeze(1) * (module.mixing * scaling).to(query.dtype)[None, :, None, :]

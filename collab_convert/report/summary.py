@@ -66,7 +66,8 @@ def summary_lines(result: "CompressResult", form) -> list[str]:
     """`form` (forms/, the result's form) words what only it knows: the sizes kept, the compute trade-off, the
     error its fits left."""
     return [form.rank_sentence(result), "", *cost_lines(result, form), *runtime_lines(result),
-            *fidelity_lines(result), form.error_line(result)]
+            *fidelity_lines(result), form.error_line(result),
+            *(f"- warning: {warning}" for warning in result.warnings or [])]
 
 
 def _share(part: int, whole: int) -> str:

@@ -37,7 +37,7 @@ def cache_shapes(model, ids):
 
 
 def test_full_key_budget_is_exact_and_generates_identically(original, prompt, tmp_path):
-    compress(MODEL, CompressOptions(key_cache=1.0, output=tmp_path / "full"))
+    compress(MODEL, CompressOptions(key_cache=1.0, output=tmp_path / "full", weight_only=True))
     shared = load_model(tmp_path / "full").eval()
     with torch.no_grad():
         difference = (shared(prompt).logits - original(prompt).logits).abs().max().item()
@@ -47,7 +47,7 @@ def test_full_key_budget_is_exact_and_generates_identically(original, prompt, tm
 
 
 def test_half_key_budget_caches_half_the_keys(original, prompt, tmp_path):
-    result = compress(MODEL, CompressOptions(key_cache=0.5, output=tmp_path / "half"))
+    result = compress(MODEL, CompressOptions(key_cache=0.5, output=tmp_path / "half", weight_only=True))
     shared = load_model(tmp_path / "half").eval()
     before, after = cache_shapes(original, prompt), cache_shapes(shared, prompt)
     assert [values for _, values in after] == [values for _, values in before]

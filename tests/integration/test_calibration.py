@@ -198,3 +198,48 @@ def test_a_fidelity_gate_without_calibration_is_refused_before_any_work(tiny_ber
     assert main(["compress", str(tiny_bert), "--rank", "24", "-o", str(tmp_path / "out"), "--min-top1", "0.9"]) == 3
     assert "give --calibration" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def _tiny_language_model(folder, tokenizer=True):
+    from fixtures.models import build_family, family_case, save_tiny_tokenizer
+
+    build_family(family_case("gpt2"), folder)
+    if tokenizer:
+        save_tiny_tokenizer(folder)
+    return folder
+
+
+def test_a_language_model_calibrates_on_built_in_text_by_default(tmp_path):
+    model = _tiny_language_model(tmp_path / "in")
+    result = compress(str(model), CompressOptions(rank=8, output=tmp_path / "out", refine_steps=5))
+    assert result.calibration["source"] == "the built-in English text" and not result.warnings
+    assert result.fidelity["measured_on"] == "32 held-out lines of the built-in English text"
+    assert result.fidelity["top1_agreement"] is not None  # a language model: next tokens measured too
+    assert "calibrated" in json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["method"]
+
+
+def test_weight_only_decoders_warn_what_it_costs(tmp_path, capsys):
+    model = _tiny_language_model(tmp_path / "in")
+    capsys.readouterr()  # what building the model printed
+    assert main(["compress", str(model), "--rank", "8", "--weight-only", "-o", str(tmp_path / "out"), "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["calibration"] is None and len(result["warnings"]) == 1
+    assert captured.err.startswith("warning: fitted from the weights alone (--weight-only)")
+    assert "30% of the time, against 83% calibrated" in captured.err and captured.err.count("\n") == 1
+    assert "- warning: fitted from the weights alone" in (tmp_path / "out" / "report.md").read_text()
+    untokenized = _tiny_language_model(tmp_path / "bare", tokenizer=False)  # nothing to calibrate with
+    bare = compress(str(untokenized), CompressOptions(rank=8, output=tmp_path / "bare-out"))
+    assert bare.calibration is None and "no tokenizer to calibrate with" in bare.warnings[0]
+
+
+def test_weight_only_and_calibration_contradict(tmp_path, calibration_file, capsys):
+    model = _tiny_language_model(tmp_path / "in")
+    code = main(["compress", str(model), "--rank", "8", "--weight-only", "--calibration", str(calibration_file), "-o",
+                 str(tmp_path / "out")])
+    assert code == 3 and "contradict" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_encoders_are_not_calibrated_unasked(tiny_bert, tmp_path):
+    result = compress(str(tiny_bert), CompressOptions(rank=8, output=tmp_path / "out"))
+    assert result.calibration is None and not result.warnings

@@ -154,13 +154,15 @@ def test_verify_runs_both_models_on_the_device_it_is_given(tmp_path):
 
     build_family(family_case("gpt2"), tmp_path / "in")
     save_tiny_tokenizer(tmp_path / "in")
-    compress(str(tmp_path / "in"), CompressOptions(rank=8, output=tmp_path / "out"))
+    compress(str(tmp_path / "in"), CompressOptions(rank=8, output=tmp_path / "out", weight_only=True))
     host = verify(str(tmp_path / "out"), str(tmp_path / "in"), TEXTS[:12])
     with stand_in_device() as ran:
         device = verify(str(tmp_path / "out"), str(tmp_path / "in"), TEXTS[:12], device=str(STAND_IN))
     assert ran["embedding"] >= 4  # base and compressed, for embeddings and for next tokens
     assert device.cosine_mean == pytest.approx(host.cosine_mean, abs=1e-6)
-    assert device.top1_agreement == host.top1_agreement and device.kl_mean == pytest.approx(host.kl_mean, rel=1e-5)
+    # the device takes the batched score path, the host its cache-sized blocks: the same math, rounded apart
+    assert device.top1_agreement == host.top1_agreement
+    assert device.kl_mean == pytest.approx(host.kl_mean, rel=1e-5, abs=1e-6)
 
 
 def test_a_cuda_device_that_is_not_there_is_named_in_one_line(monkeypatch):

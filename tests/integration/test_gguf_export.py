@@ -21,7 +21,7 @@ def stock(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     build_rotary(next(c for c in ROTARY_CASES if c.name == "llama-bpe"), root / "in")
     save_tiny_bpe_tokenizer(root / "in")
-    compress(str(root / "in"), CompressOptions(kv_cache=0.5, output=root / "mq"))
+    compress(str(root / "in"), CompressOptions(kv_cache=0.5, output=root / "mq", weight_only=True))
     return root
 
 
@@ -66,7 +66,7 @@ def test_what_it_cannot_write_is_refused_in_one_line(stock, what, why, tmp_path,
     source, target = stock / "mq", tmp_path / "model.gguf"
     if what == "shared-key":
         source = tmp_path / "shared"
-        compress(str(stock / "in"), CompressOptions(key_cache=0.5, output=source))
+        compress(str(stock / "in"), CompressOptions(key_cache=0.5, output=source, weight_only=True))
     elif what == "name":
         target = tmp_path / "model.bin"
     else:

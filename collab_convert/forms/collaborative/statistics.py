@@ -10,6 +10,7 @@ import torch
 from ...architectures.source import SourceModel
 from ...options import CompressOptions
 from ...progress import Progress
+from ...stages import text_name
 
 
 def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], progress: Progress,
@@ -35,7 +36,7 @@ def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], p
     else:
         refinement = "off"
     calibration = {
-        "source": str(options.calibration),
+        "source": text_name(options.calibration),
         "examples": batches.texts,
         "tokens": batches.tokens,
         "max_length": options.calibration_max_length,

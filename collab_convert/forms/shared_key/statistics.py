@@ -16,6 +16,7 @@ from ...format import HeadCounts
 from ...io.spill import SpillFolder
 from ...options import CompressOptions
 from ...progress import Progress
+from ...stages import text_name
 
 
 def geometry_of(layer: AttentionLayer) -> HeadGeometry:
@@ -137,7 +138,7 @@ def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: 
                   f"{min(keep, len(texts))} sequences and 32 query positions in each, stopped and chosen on a "
                   "held-out tenth of them") if keep else "off"
     calibration = {
-        "source": str(options.calibration),
+        "source": text_name(options.calibration),
         "examples": batches.texts,
         "tokens": batches.tokens,
         "max_length": options.calibration_max_length,
