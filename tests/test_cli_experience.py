@@ -141,3 +141,23 @@ def test_verify_without_a_recorded_base_asks_for_one(tiny_bert, calibration_file
     assert main(["verify", str(tiny_bert), "--texts", str(calibration_file)]) == 3
     error = capsys.readouterr().err
     assert "records no base model" in error and "--against" in error
+
+
+@pytest.mark.parametrize("command", ["analyze", "compress", "export", "verify"])
+def test_help_groups_the_options_and_shows_examples(command):
+    shown = runner.invoke(app, [command, "--help"], env={"COLUMNS": "120"}).output
+    assert "Examples:" in shown and shown.count(f"collab-convert {command} ") >= 2
+    assert "Essentials" in shown
+
+
+def test_compress_help_puts_the_essentials_before_the_rest():
+    shown = runner.invoke(app, ["compress", "--help"], env={"COLUMNS": "120"}).output
+    panels = [shown.index(name) for name in ("Essentials", "Calibration and fitting", "Fidelity gates", "More options")]
+    assert panels == sorted(panels)
+    essentials = shown[panels[0]:panels[1]]
+    assert "--output" in essentials and "--kv-cache" in essentials and "--seed" not in essentials
+
+
+def test_shell_completion_is_offered():
+    shown = runner.invoke(app, ["--help"]).output
+    assert "--install-completion" in shown and "--show-completion" in shown

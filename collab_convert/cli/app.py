@@ -11,10 +11,10 @@ app = typer.Typer(
     help="Measure how redundant a transformer's attention heads are, and make them collaborate.\n\n"
     "Start with `collab-convert analyze MODEL`, then `collab-convert compress MODEL --rank R -o OUT`. "
     + EXIT_CODES,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for the user's shell
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    rich_markup_mode=None,
+    rich_markup_mode="rich",
 )
 
 

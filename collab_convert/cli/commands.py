@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Optional
 
@@ -38,6 +39,14 @@ def analyze(
     """PCA redundancy of every attention layer: spectra, energy ranks, and what each candidate rank costs and
     gives (the error of a fit; with --calibration the logit error and the embedding cosine on held-out lines).
 
+    Examples:
+
+    collab-convert analyze                       (the embedded all-MiniLM-L6-v2)
+
+    collab-convert analyze ./my-bert --calibration my-domain.txt --target-cosine 0.99
+
+    collab-convert analyze HuggingFaceTB/SmolLM2-135M-Instruct --form multi-query --json
+
     Next: --target-cosine 0.99 names the smallest rank that keeps embeddings that close; then run
     `collab-convert compress MODEL --rank R -o OUT` (or --rank auto).
     """
@@ -65,7 +74,7 @@ def analyze(
 @with_options(CompressOptions, after="model")
 def compress(
     model: str = typer.Argument(None, help=MODEL_HELP, show_default=False, metavar="MODEL"),
-    max_error: Optional[float] = typer.Option(None, "--max-error", help="Exit 1 if any layer's weight error (the "
+    max_error: Optional[float] = typer.Option(None, "--max-error", rich_help_panel="Fidelity gates (exit 1 when one fails)", help="Exit 1 if any layer's weight error (the "
                                               "error column) exceeds this. A calibrated fit targets outputs, not "
                                               "weights: gate it on measured fidelity (--min-cosine, --min-top1, "
                                               "--max-kl)."),
@@ -74,9 +83,19 @@ def compress(
     quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
     **options,
 ) -> None:
-    """Re-parametrize every attention layer into collaborative form and write a loadable checkpoint.
+    """Rewrite every attention layer in a form whose heads share (collaborative, shared key, or multi-query: keys and
+    values) and write a loadable checkpoint.
 
-    Next: `import collab_convert` and load OUTPUT with transformers' Auto classes or collab_convert.load_model.
+    Examples:
+
+    collab-convert compress ./my-bert --rank 192 --calibration my-domain.txt --min-cosine 0.99 -o out/bert-192
+
+    collab-convert compress ./my-llama --kv-cache 0.5 --calibration docs.txt -o out/llama-kv50   (stock checkpoint)
+
+    collab-convert compress ./my-llama --key-cache 0.75 -o out/llama-k75     (calibrates on built-in text)
+
+    Next: `import collab_convert` and load OUTPUT with transformers' Auto classes or collab_convert.load_model
+    (a --kv-cache output loads with transformers alone).
     """
     Quiet.quiet = quiet
     chosen = build_options(CompressOptions, options)  # usage errors answer before anything heavy loads
@@ -124,6 +143,12 @@ def export(
     --format gguf, a stock llama-family checkpoint (compress --kv-cache writes one) as a GGUF file for llama.cpp,
     after checking that llama.cpp's graph over the file reproduces PyTorch.
 
+    Examples:
+
+    collab-convert export out/bert-192 --format onnx -o out/bert-192-onnx
+
+    collab-convert export out/llama-kv50 --format gguf -o out/llama-kv50.gguf --dtype f16
+
     Next: run OUTPUT/model.onnx with onnxruntime.InferenceSession (its inputs are the tokenizer's, saved beside it),
     or the .gguf file with llama.cpp (llama-cli -m FILE.gguf, or llama_cpp.Llama(model_path=FILE.gguf)).
     """
@@ -150,6 +175,12 @@ def verify(
     """Fidelity of a compressed checkpoint to its base on real text: cosine of final hidden states (mean and
     1st percentile) and, for language models, next-token top-1 agreement and KL.
 
+    Examples:
+
+    collab-convert verify out/bert-192 --texts holdout.txt --min-cosine 0.99     (against the base it records)
+
+    collab-convert verify out/llama-kv50 --against ./my-llama --texts holdout.txt --min-top1 0.8 --json
+
     Next: put the thresholds that matter to you in your release pipeline (see docs/ci.md).
     """
     Quiet.quiet = quiet
@@ -166,3 +197,13 @@ def verify(
     if result.failures:
         print_error("; ".join(result.failures))
         raise typer.Exit(1)
+
+
+def _reflowed(doc: str) -> str:
+    """A docstring as help: each paragraph one line (rich help keeps a docstring's line breaks), blank lines kept."""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in paragraph.splitlines()) for paragraph in paragraphs)
+
+
+for _command in app.registered_commands:
+    _command.help = _reflowed(_command.callback.__doc__ or "")

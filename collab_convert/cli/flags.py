@@ -23,6 +23,23 @@ def flags_of(name: str, field) -> list[str]:
     return (field.json_schema_extra or {}).get("flags") or [f"--{name.replace('_', '-')}"]
 
 
+# Help panels, in the order --help shows them: what most runs set first, then the rest by purpose.
+ESSENTIALS = "Essentials"
+PANELS = {
+    ESSENTIALS: {"output", "rank", "key_cache", "kv_cache", "form", "calibration", "ranks", "texts", "against",
+                 "format", "dtype"},
+    "Calibration and fitting": {"calibration_samples", "calibration_max_length", "calibration_tokens", "target_cosine",
+                                "energy", "refine_steps", "refine_samples", "distill_steps", "weight_only", "method"},
+    "Fidelity gates (exit 1 when one fails)": {"min_cosine", "min_cosine_p01", "min_top1", "max_kl"},
+}
+MORE = "More options"
+PANEL_ORDER = [*PANELS, MORE]
+
+
+def panel_of(name: str) -> str:
+    return next((panel for panel, names in PANELS.items() if name in names), MORE)
+
+
 def with_options(options_model, after: str):
     """Give a command one CLI option per field of `options_model` (names, defaults and help from the model),
     placed after its parameter `after`. The command receives them as keyword arguments."""
@@ -35,10 +52,11 @@ def with_options(options_model, after: str):
                 name,
                 inspect.Parameter.KEYWORD_ONLY,
                 default=typer.Option(... if field.is_required() else field.default, *flags_of(name, field),
-                                     help=field.description, show_default=not field.is_required()),
+                                     help=field.description, show_default=not field.is_required(),
+                                     rich_help_panel=panel_of(name)),
                 annotation=cli_type(field),
             )
-            for name, field in sorted(options_model.model_fields.items(), key=_own_fields_first(options_model))
+            for name, field in sorted(options_model.model_fields.items(), key=_by_panel(options_model))
         ]
         position = next(i for i, p in enumerate(own) if p.name == after) + 1
         parameters = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
@@ -48,11 +66,16 @@ def with_options(options_model, after: str):
     return decorate
 
 
-def _own_fields_first(options_model):
-    """The model's own fields in the order it declares them, then the ones it inherits."""
+def _by_panel(options_model):
+    """By help panel; within one, the model's own fields in the order it declares them, then the ones it inherits."""
     own = list(options_model.__annotations__)
     fields = list(options_model.model_fields)
-    return lambda item: (0, own.index(item[0])) if item[0] in own else (1, fields.index(item[0]))
+
+    def key(item):
+        name = item[0]
+        return (PANEL_ORDER.index(panel_of(name)), (0, own.index(name)) if name in own else (1, fields.index(name)))
+
+    return key
 
 
 def build_options(options_model, values: dict):
