@@ -18,7 +18,7 @@ import torch
 
 from .architectures.source import SourceModel, open_model
 from .forms import Form, FormPlan, form_named
-from .io.folders import StagedOutput, copy_non_weight_files
+from .io.folders import StagedOutput, copy_non_weight_files, weights_on_disk
 from .options import CompressOptions, gate_failures
 from .progress import Progress, StageClock, no_progress
 from .results import CompressPlan, CompressResult
@@ -100,6 +100,7 @@ def _stages(source: SourceModel, form: Form, form_plan: FormPlan, options: Compr
                            "the --min-cosine/--min-top1/--max-kl gates cannot pass"]
     if options.timing:
         result.runtime = _timed(source, staged.folder, progress)
+    result.disk = weights_on_disk(source.folder, staged.folder)
     progress("writing reports and plots", 0, 1)
     files += ["config.json"] + _write_reports(result, form, source, staged.folder, started, options.plots, progress)
     progress("writing reports and plots", 1, 1)

@@ -200,6 +200,8 @@ class CompressResult(_Data):
     runtime: dict[str, Any] | None = None
     # the fidelity gates (--min-cosine, --min-top1, ...) the measured fidelity fails, one line each; [] where all pass
     failures: list[str] | None = None
+    # bytes of weights on disk, input and output (and the GGUF file a dequantised input came from): io/folders.py
+    disk: dict[str, Any] | None = None
     # what the user should know of how the run went, one line each (a decoder fitted from its weights alone)
     warnings: list[str] | None = None
 

@@ -169,3 +169,14 @@ def test_layers_are_reported_in_numeric_order(tmp_path, form):
     table = [line.split("|")[1].strip() for line in (tmp_path / "out" / "report.md").read_text().splitlines()
              if line.startswith(f"| {site}")]
     assert [int(name[len(site):].split(".")[0]) for name in table] == numbers * (len(table) // 12)  # every table
+
+
+def test_the_summary_gives_the_weights_on_disk_before_and_after(tiny_bert, tmp_path):
+    from collab_convert.report.summary import disk_line
+
+    result = compress(str(tiny_bert), CompressOptions(rank=8, output=tmp_path / "out"))
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "out").glob("*.safetensors"))
+    assert result.disk["output_bytes"] == on_disk < result.disk["input_bytes"]
+    assert disk_line(result.disk) in (tmp_path / "out" / "report.md").read_text()
+    gguf = disk_line({"input_bytes": 532_000_000, "output_bytes": 520_000_000, "input_gguf_bytes": 94_000_000})
+    assert gguf.startswith("- weights on disk: 532.0 MB -> 520.0 MB (the input was a 94.0 MB GGUF file, dequantised")

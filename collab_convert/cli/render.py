@@ -100,7 +100,7 @@ def _sentence(line: str) -> str:
 
 def print_compression(result, rank) -> None:
     from ..forms import form_named
-    from ..report.summary import fidelity_lines
+    from ..report.summary import disk_line, fidelity_lines
     from ..results import layer_labels
 
     labels = layer_labels([layer.name for layer in result.layers])
@@ -113,7 +113,8 @@ def print_compression(result, rank) -> None:
         shown.add_row(labels[layer.name], *own, f"{layer.parameters_before:,}", f"{layer.parameters_after:,}")
     stdout.print(shown)
     lines = [f"Wrote {result.output} in {result.seconds:.1f} s. {form.terms.parameters_line} "
-             f"{result.parameters_before:,} -> {result.parameters_after:,}.", form.rank_sentence(result),
+             f"{result.parameters_before:,} -> {result.parameters_after:,}"
+             + (f"; {disk_line(result.disk)[2:]}." if result.disk else "."), form.rank_sentence(result),
              _sentence(form.error_line(result)), _sentence(fidelity_lines(result)[0])]
     stdout.print("\n".join(lines + [f"Next: {form.next_step(result)}"]), highlight=False)
 

@@ -253,3 +253,21 @@ class StagedOutput:
             except OSError:  # a concurrent run put its output there between the check and the rename
                 raise OutputExistsError(f"output {output} was written by another run meanwhile; nothing was "
                                         "changed") from None
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+def weights_on_disk(source: Path, output: Path) -> dict:
+    """Bytes of weight files in the input and the output folders; where the input was a GGUF file dequantised into
+    a cached folder (io/gguf.py), that file's own size too, so a report can say what the user gave."""
+    from .gguf import source_of
+
+    def size(folder: Path) -> int:
+        return sum(f.stat().st_size for f in Path(folder).iterdir() if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
+
+    sizes = {"input_bytes": size(source), "output_bytes": size(output)}
+    gguf = source_of(source)
+    if gguf and Path(gguf).is_file():
+        sizes["input_gguf"], sizes["input_gguf_bytes"] = gguf, Path(gguf).stat().st_size
+    return sizes

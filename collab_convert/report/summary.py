@@ -26,6 +26,8 @@ def cost_lines(result: "CompressResult", form) -> list[str]:
     if cache_before:  # an encoder caches nothing: no cache line to print
         lines.append(f"- {terms.cache}, all layers: {cache_before:,} -> {cache_after:,} numbers "
                      f"({_share(cache_after, cache_before)})")
+    if result.disk:
+        lines.append(disk_line(result.disk))
     per_token = []
     for n in SEQUENCE_LENGTHS:
         b = sum(layer.cost_before["flops_per_token"][str(n)] for layer in result.layers)
@@ -34,6 +36,19 @@ def cost_lines(result: "CompressResult", form) -> list[str]:
     lines.append(f"- {terms.compute}: " + "; ".join(per_token))
     lines.append(f"- {form.compute_line(result)}")
     return lines
+
+
+def disk_line(disk: dict) -> str:
+    """The whole model's weights on disk, before and after: what a user who wants a smaller file sees."""
+    line = f"- weights on disk: {megabytes(disk['input_bytes'])} -> {megabytes(disk['output_bytes'])}"
+    if disk.get("input_gguf_bytes"):
+        line += (f" (the input was a {megabytes(disk['input_gguf_bytes'])} GGUF file, dequantised to compress it: "
+                 "the output keeps the dequantised precision)")
+    return line
+
+
+def megabytes(count: int) -> str:
+    return f"{count / 1e6:,.1f} MB"
 
 
 def fidelity_lines(result: "CompressResult") -> list[str]:
