@@ -126,8 +126,10 @@ def fit_collaborative(
     max_iterations: int = 500,
     tolerance: float = 1e-3,
     device: str | torch.device = "cpu",
+    subspaces: TuckerSubspaces | None = None,
 ) -> FitResult:
-    """Rank-R collaborative factors of the stacked head products.
+    """Rank-R collaborative factors of the stacked head products (`subspaces`: their HOSVD with bases, where the
+    caller has it already).
 
     Starts from the better of the best per-head truncation and, at a few ranks per head, the shared-subspace
     initialisation, then runs CP-ALS. ALS never increases the error, so the result is never worse than
@@ -142,7 +144,8 @@ def fit_collaborative(
     if rank < 1:
         raise ValueError(f"rank must be at least 1, got {rank}")
     tries_shared = rank <= SHARED_START_RANKS_PER_HEAD * products.num_heads
-    subspaces = tucker_subspaces(products, bases=tries_shared)
+    if subspaces is None or (tries_shared and subspaces.query_basis is None):
+        subspaces = tucker_subspaces(products, bases=tries_shared)
     truncation, truncation_error = _per_head_truncation(products, rank)
     candidates, errors = {"per-head truncation": truncation}, {"per-head truncation": truncation_error}
     if tries_shared:

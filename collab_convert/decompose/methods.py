@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # the fits import torch when they run: the method table itsel
     from .als import FitResult
     from .calibrated import InputMetric
     from .products import CollaborativeFactors, HeadProducts
+    from .tucker import TuckerSubspaces
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class FitRequest:
     # With calibration: how the query- and key-side inputs of this layer are distributed on real text.
     query_metric: InputMetric | None = None
     key_metric: InputMetric | None = None
+    # The products' HOSVD (tucker_subspaces with bases), where the caller fits one layer at several ranks: computed
+    # once instead of at every rank (weight-only fits read it).
+    subspaces: TuckerSubspaces | None = None
 
     @property
     def calibrated(self) -> bool:
@@ -93,7 +97,8 @@ def fit_tucker_cp_als(request: FitRequest) -> LayerFit:
             min(request.tolerance, 1e-4), device=request.device,
         )
         return _layer_fit(request, fit, logit_error=fit.relative_error, correction=correction)
-    fit = fit_collaborative(request.products, request.rank, request.max_iterations, request.tolerance, request.device)
+    fit = fit_collaborative(request.products, request.rank, request.max_iterations, request.tolerance, request.device,
+                            request.subspaces)
     return _layer_fit(request, fit)
 
 

@@ -9,6 +9,7 @@ from ...architectures.source import SourceModel
 from ...decompose.costs import candidate_ranks, collaborative_cost, original_cost
 from ...decompose.methods import FitRequest, method_named
 from ...decompose.spectra import energy_rank, spectra
+from ...decompose.tucker import tucker_subspaces
 from ...options import DEFAULT_METHOD, AnalyzeOptions, CompressOptions
 from ...progress import Progress
 from ...results import AnalysisResult, LayerAnalysis, rounded
@@ -57,12 +58,13 @@ def _analyze_layer(source: SourceModel, layer, ranks: list[int], metrics, device
         "head_unfolding": spec.head_unfolding,
     }
     metric = metrics[layer.prefix] if metrics else None
+    subspaces = None if metric else tucker_subspaces(products)  # one HOSVD for every candidate rank's fit
     candidates = []
     for rank in ranks:
         at = min(rank, layer.shape.key_dim)
         fit = method_named(DEFAULT_METHOD).fit(FitRequest(
             products, at, device=device, query_metric=metric.query if metric else None,
-            key_metric=metric.key if metric else None,
+            key_metric=metric.key if metric else None, subspaces=subspaces,
         ))
         cost = collaborative_cost(layer.shape, at, layer.stores_content_bias(metric is not None))
         cost = cost.cached(layer.caches_keys).as_dict()
