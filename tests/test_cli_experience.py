@@ -161,3 +161,30 @@ def test_compress_help_puts_the_essentials_before_the_rest():
 def test_shell_completion_is_offered():
     shown = runner.invoke(app, ["--help"]).output
     assert "--install-completion" in shown and "--show-completion" in shown
+
+
+def test_on_a_narrow_terminal_prose_wraps_between_words(tiny_bert):
+    """On a terminal rich wraps each line between words; numbers such as 90/95/99% are never cut."""
+    import os
+    import pty
+
+    chunks = []
+
+    def read(fd):
+        data = os.read(fd, 65536)
+        chunks.append(data)
+        return data
+
+    environment = dict(os.environ, COLUMNS="60", LINES="40", NO_COLOR="1")
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(environment)
+    try:
+        pty.spawn([sys.executable, "-m", "collab_convert", "analyze", str(tiny_bert), "-q"], read)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace")).replace("\r", "")
+    lines = [line for line in shown.splitlines() if line.strip()]
+    assert "90/95/99%" in shown and all(len(line) <= 60 for line in lines)
+    assert any(line.startswith("Next: ") for line in lines)

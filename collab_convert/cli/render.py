@@ -9,11 +9,15 @@ import sys
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table as RichTable
+from rich.text import Text
 
 from ..progress import stage_of
 
 # Piped output (CI logs, files) gets wide tables, unless COLUMNS says how wide; a terminal gets its own width.
-stdout = Console(soft_wrap=True, width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 180)
+# On a terminal rich wraps prose between words (the terminal itself would break it mid-word and mid-number);
+# piped, a line stays whole for whatever reads it.
+stdout = Console(soft_wrap=not sys.stdout.isatty(),
+                 width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 180)
 stderr = Console(stderr=True)
 
 
@@ -64,7 +68,8 @@ def run_with_progress(function, *args, show: bool = True, **kwargs):
 
 def table(title: str, columns: list[str], rows: list[list[str]] = ()) -> RichTable:
     """A table that wraps rather than cuts: numbers are never shown as an ellipsis."""
-    shown = RichTable(title=title, title_justify="left")
+    shown = RichTable()
+    shown.heading = title  # printed as prose by show(): rich folds a table's own title mid-word ("90/95/9 / 9%")
     for index, column in enumerate(columns):
         shown.add_column(column, justify="left" if index == 0 else "right", overflow="fold")
     for row in rows:
@@ -72,12 +77,17 @@ def table(title: str, columns: list[str], rows: list[list[str]] = ()) -> RichTab
     return shown
 
 
+def show(shown: RichTable) -> None:
+    """A table under its title, the title wrapped between words like any line of text."""
+    stdout.print(Text(shown.heading), shown)
+
+
 def print_analysis(result) -> None:
     from ..forms import form_named
 
     form = form_named(result.form)
     for view in form.analysis_tables(result):
-        stdout.print(table(view.title, view.columns, view.rows))
+        show(table(view.title, view.columns, view.rows))
     stdout.print(form.analysis_advice(result), highlight=False)
 
 
@@ -111,7 +121,7 @@ def print_compression(result, rank) -> None:
                   ["layer", *columns, f"{form.terms.parameters_short} before", "after"])
     for layer, own in zip(result.layers, cells, strict=True):
         shown.add_row(labels[layer.name], *own, f"{layer.parameters_before:,}", f"{layer.parameters_after:,}")
-    stdout.print(shown)
+    show(shown)
     lines = [f"Wrote {result.output} in {result.seconds:.1f} s. {form.terms.parameters_line} "
              f"{result.parameters_before:,} -> {result.parameters_after:,}"
              + (f"; {disk_line(result.disk)[2:]}." if result.disk else "."), form.rank_sentence(result),
