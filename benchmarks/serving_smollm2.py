@@ -213,6 +213,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--llama-cpp-only", action="store_true",
+                        help="only llama.cpp's figures, on the checkpoints an earlier run kept in --work")
     parser.add_argument("--work", type=Path, default=None, help="keep the checkpoints here (default: temporary)")
     args = parser.parse_args()
     run(args)
@@ -241,6 +243,10 @@ def run(args) -> None:
     print(f"original: perplexity {base:.3f}", flush=True)
     rows = {"original": {"perplexity": base}}
     full = work / "full"
+    if args.llama_cpp_only:
+        figures = llama_cpp_figures(args, work, folder, full, sequences, base_predictions, tokenizer, held_out)
+        (work / "serving_smollm2_llama_cpp.json").write_text(json.dumps(figures, indent=2) + "\n")
+        return
     compress(["--kv-cache", "1.0"], full)
     rows["full width"] = exactness(folder, full, tokenizer, held_out[0])
     for share in [float(s) for s in args.shares.split(",")]:
