@@ -188,3 +188,21 @@ def test_on_a_narrow_terminal_prose_wraps_between_words(tiny_bert):
     lines = [line for line in shown.splitlines() if line.strip()]
     assert "90/95/99%" in shown and all(len(line) <= 60 for line in lines)
     assert any(line.startswith("Next: ") for line in lines)
+
+
+def test_analyze_piped_says_which_stage_it_is_in(tiny_bert, capsys, monkeypatch):
+    """No terminal, no bar: a stage that runs a while gets a line on stderr, so a CI log is not silent."""
+    import collab_convert.cli.render as render
+
+    monkeypatch.setattr(render, "STAGE_LINE_AFTER", 0.0)
+    assert main(["analyze", str(tiny_bert)]) == 0
+    stages = capsys.readouterr().err.splitlines()
+    assert "opening the model ..." in stages and "analyzing ..." in stages
+
+
+def test_analyze_piped_and_quiet_prints_no_stage_lines(tiny_bert, capsys, monkeypatch):
+    import collab_convert.cli.render as render
+
+    monkeypatch.setattr(render, "STAGE_LINE_AFTER", 0.0)
+    assert main(["analyze", str(tiny_bert), "-q"]) == 0
+    assert capsys.readouterr().err == ""

@@ -50,8 +50,12 @@ def _progress_bar(enabled: bool):
     )
 
 
-def run_with_progress(function, *args, show: bool = True, **kwargs):
+def run_with_progress(function, *args, show: bool = True, stage_lines: bool = False, **kwargs):
+    """A bar per stage on a terminal; elsewhere, with `stage_lines`, one line on stderr as each stage starts (a
+    long job piped to a file or a CI log is not silent)."""
     bar = _progress_bar(show and stderr.is_terminal)
+    if bar is None and show and stage_lines and not Quiet.quiet:
+        return _with_stage_lines(function, *args, **kwargs)
     if bar is None:
         return function(*args, **kwargs)
     tasks = {}
@@ -64,6 +68,39 @@ def run_with_progress(function, *args, show: bool = True, **kwargs):
             bar.update(tasks[stage], completed=done, total=total, description=what)
 
         return function(*args, progress=progress, **kwargs)
+
+
+STAGE_LINE_AFTER = 2.0  # seconds a stage runs before its line appears: a bad input fails faster, in one line
+
+
+def _with_stage_lines(function, *args, **kwargs):
+    """Run `function`, writing a line on stderr for each stage that runs longer than STAGE_LINE_AFTER seconds."""
+    import threading
+
+    pending: dict[str, threading.Timer] = {}
+    started: set[str] = set()
+
+    def announce(what: str, done: int, total: int) -> None:
+        stage = stage_of(what)
+        if stage in started:
+            return
+        started.add(stage)
+        for timer in pending.values():
+            timer.cancel()
+        pending.clear()
+        if STAGE_LINE_AFTER <= 0:
+            print(f"{stage} ...", file=sys.stderr, flush=True)
+            return
+        pending[stage] = threading.Timer(STAGE_LINE_AFTER, print, (f"{stage} ...",), {"file": sys.stderr,
+                                                                                     "flush": True})
+        pending[stage].daemon = True
+        pending[stage].start()
+
+    try:
+        return function(*args, progress=announce, **kwargs)
+    finally:
+        for timer in pending.values():
+            timer.cancel()
 
 
 def table(title: str, columns: list[str], rows: list[list[str]] = ()) -> RichTable:
