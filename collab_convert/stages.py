@@ -67,7 +67,8 @@ def _check_distillation(source: SourceModel, options: CompressOptions) -> None:
     from .integration.fidelity import is_language_model
 
     if options.calibration is None:
-        raise BadInputError("--distill-steps learns from the calibration text: give --calibration FILE too")
+        raise BadInputError("--distill-steps learns from calibration text: drop --weight-only (a language model "
+                            "calibrates on built-in text by default) or give --calibration FILE")
     if not is_language_model(source.config.get("architectures")):
         raise BadInputError("--distill-steps matches next-token distributions, so it needs a language model "
                             "(config.json's architectures name a ...ForCausalLM), not "
