@@ -192,8 +192,8 @@ def plain_pca(share: float, out: Path, texts: list[str]) -> None:
     frequencies, slots = source.layers[0].rotary_dim // 2, width // 2
     profile = KeyRanks(tuple((j + 1) * slots // frequencies - j * slots // frequencies for j in range(frequencies)), 0)
 
-    def unweighted(output_weight, geometry):
-        return torch.eye(geometry.head_dim, dtype=torch.float64).expand(geometry.kv_heads, -1, -1).clone()
+    def unweighted(output_weight, geometry, summed=False):
+        return torch.eye(geometry.kv_heads * geometry.head_dim, dtype=torch.float64)
 
     with mock.patch.object(fitting, "output_metric", unweighted), StagedOutput(out, overwrite=True) as staged:
         fitting.convert_weights(source, options, staged.folder, lambda *a: None, width, profile, records)
