@@ -11,7 +11,6 @@ each; text neither run saw) the perplexity and how often the next token agrees w
 from __future__ import annotations
 
 import argparse
-import math
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from calibration_documents import chosen_documents  # noqa: E402
+from serving_smollm2 import perplexity_of  # noqa: E402
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TOKENS = 256
@@ -35,18 +35,12 @@ def figures(folder: Path, sequences, reference=None) -> tuple[float, list[torch.
 
     from collab_convert.integration.loading import load_model
 
-    model = load_model(folder, AutoModelForCausalLM).eval()
-    total, count, predictions = 0.0, 0, []
-    for ids in sequences:
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
-        total += float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum"))
-        count += len(ids) - 1
-        predictions.append(logits.argmax(-1))
+    perplexity, predictions = perplexity_of(load_model(folder, AutoModelForCausalLM).eval(), sequences)
     agreement = None
     if reference is not None:
         same = sum(int((a == b).sum()) for a, b in zip(predictions, reference, strict=True))
         agreement = same / sum(len(p) for p in predictions)
-    return math.exp(total / count), predictions, agreement
+    return perplexity, predictions, agreement
 
 
 def main() -> None:

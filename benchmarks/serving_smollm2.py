@@ -85,7 +85,12 @@ def transformers_run(folder: Path, sequences: list[list[int]]) -> tuple[float, l
     """(perplexity, each sequence's next-token predictions), the model loaded as a stock checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return perplexity_of(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), sequences)
+
+
+@torch.no_grad()
+def perplexity_of(model, sequences: list[list[int]]) -> tuple[float, list[torch.Tensor]]:
+    """(perplexity, each sequence's next-token predictions) of a loaded causal language model."""
     total, count, predictions = 0.0, 0, []
     for ids in sequences:
         logits = model(torch.tensor([ids])).logits[0, :-1].float()
@@ -309,13 +314,7 @@ def _shared_key_perplexity(folder: Path, sequences) -> float:
 
     from collab_convert.integration.loading import load_model
 
-    model = load_model(folder, AutoModelForCausalLM).eval()
-    total, count = 0.0, 0
-    for ids in sequences:
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
-        total += float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum"))
-        count += len(ids) - 1
-    return math.exp(total / count)
+    return perplexity_of(load_model(folder, AutoModelForCausalLM).eval(), sequences)[0]
 
 
 def llama_cpp_figures(args, work: Path, folder: Path, full: Path, sequences, base_predictions, tokenizer,
