@@ -15,6 +15,22 @@ from fixtures import SENTENCES, HERE as FIXTURES  # noqa: E402
 from fixtures.models import save_tiny  # noqa: E402
 
 
+class QuietMachine:
+    """The neighbour gauge of a machine with nothing else running: torch splits each score block over its threads."""
+
+    def busy_elsewhere(self) -> float:
+        return 0.0
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """The score path's scheduling depends on the machine's load (modeling/blocks.py): pinned here, so a test
+    takes the same path beside a busy neighbour as on a quiet machine. Tests of the busy path pin that instead."""
+    from collab_convert.modeling import blocks
+
+    monkeypatch.setattr(blocks.BlockWorkers, "_gauge", QuietMachine())
+
+
 @pytest.fixture
 def tiny_bert(tmp_path) -> Path:
     return save_tiny(tmp_path / "tiny-bert")

@@ -6,6 +6,8 @@ No GPU here: the runs use a stand-in device (fixtures/devices.py) whose tensors 
 to meet host tensors in one operation, as CUDA's do. A run that forgot to move something fails; one that
 moved everything writes what the host run writes."""
 
+import threading
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -16,6 +18,28 @@ from collab_convert.decompose.products import CollaborativeFactors
 from collab_convert.decompose.refinement import refine_attention
 from fixtures.devices import STAND_IN, stand_in_device
 from fixtures.models import ROTARY_CASES, build_family, build_rotary, family_case, save_tiny_tokenizer
+
+
+
+class BusyNeighbour:
+    def busy_elsewhere(self) -> float:
+        return 1e6
+
+
+@pytest.fixture(autouse=True)
+def busy_machine(monkeypatch):
+    """Every run here beside a busy neighbour, on two torch threads: the host's score blocks then go to the
+    worker threads (modeling/blocks.py), which torch's per-thread modes, the stand-in's included, do not reach.
+    The device must not follow them there (a CUDA tensor would, but a thread's current CUDA device and stream
+    are its own): it takes the batched path, as an accelerator does. Pinned, so that load does not choose."""
+    from collab_convert.modeling import blocks
+
+    monkeypatch.setattr(blocks.BlockWorkers, "_gauge", BusyNeighbour())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
 
 TEXTS = [f"the {w} was on the {v} and it is {w} again" for w in "abcdefgh" for v in "ijkl"]
 
@@ -163,6 +187,28 @@ def test_verify_runs_both_models_on_the_device_it_is_given(tmp_path):
     # the device takes the batched score path, the host its cache-sized blocks: the same math, rounded apart
     assert device.top1_agreement == host.top1_agreement
     assert device.kl_mean == pytest.approx(host.kl_mean, rel=1e-5, abs=1e-6)
+
+
+def test_beside_a_busy_neighbour_the_host_shares_blocks_out_and_the_device_keeps_its_thread(tmp_path, monkeypatch):
+    """The failure a loaded CI runner hit at random (issue 33): the device's score blocks went to the workers,
+    outside the thread that holds the device. Here the workers' use is pinned and counted."""
+    from collab_convert.integration.fidelity import verify
+    from collab_convert.modeling import blocks
+
+    threads_seen = []
+    take = blocks.BlockWorkers._take
+    monkeypatch.setattr(blocks.BlockWorkers, "_take", staticmethod(
+        lambda work, taken: (threads_seen.append(threading.current_thread().name), take(work, taken))[1]))
+    build_family(family_case("bert"), tmp_path / "in")
+    save_tiny_tokenizer(tmp_path / "in")
+    compress(str(tmp_path / "in"), CompressOptions(rank=8, output=tmp_path / "out", weight_only=True))
+    host = verify(str(tmp_path / "out"), str(tmp_path / "in"), TEXTS[:12])
+    assert threads_seen and all(name.startswith("collab-blocks") for name in threads_seen)
+    threads_seen.clear()
+    with stand_in_device():
+        device = verify(str(tmp_path / "out"), str(tmp_path / "in"), TEXTS[:12], device=str(STAND_IN))
+    assert threads_seen == []
+    assert device.cosine_mean == pytest.approx(host.cosine_mean, abs=1e-6)
 
 
 def test_a_cuda_device_that_is_not_there_is_named_in_one_line(monkeypatch):
