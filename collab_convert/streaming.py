@@ -111,7 +111,9 @@ def _pass_through(reader, writer: ShardWriter, name: str, parts: list[Passed]) -
 
 
 class FitsAhead:
-    """Layer fits submitted in write order to a few worker threads, at most `workers` of them ahead."""
+    """Layer fits submitted in write order to a few worker threads, at most `workers` of them ahead. A fit names
+    its device in every tensor it makes (options.device): torch's modes and a thread's current CUDA device and
+    stream are per thread, so nothing set in the caller's thread may be relied on here."""
 
     def __init__(self, fit: LayerFitter, workers: int, layers: list[AttentionLayer], finished: FinishedLayers | None):
         self.fit, self.workers = fit, workers

@@ -10,6 +10,7 @@ from ..errors import BadInputError
 from ..format import is_collaborative
 from ..io.folders import read_config, resolve_model
 from ..io.reader import TensorReader
+from .agreement import check_agreement, check_readable
 from .families import Family, FormOffer
 from .layouts import AttentionLayer, Projections, natural_key
 from .lookup import family_for
@@ -57,6 +58,8 @@ def open_model(model: str, form: str = "auto") -> SourceModel:
     layers = find_attention_layers(reader, family, offer.layout, config)
     if not layers:
         raise BadInputError(f"{model}: no {family.name} attention layers found among its weights")
+    check_readable(config, reader, [layer.prefix for layer in layers])
+    check_agreement(folder, config, reader, family, f".{offer.layout.marker}.weight")
     return SourceModel(model, folder, config, family, offer, reader, layers)
 
 

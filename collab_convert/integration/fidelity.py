@@ -95,6 +95,20 @@ def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: i
     return agree / max(total, 1), kl_sum / max(total, 1)
 
 
+# What two checkpoints must share for their outputs to be compared: the width of the states, and the vocabulary
+# the next-token distributions range over.
+COMPARED_SIZES = ("hidden_size", "vocab_size")
+
+
+def check_same_shape(model: str, config, against: str, base_config) -> None:
+    """One line, before either model is loaded, where the two cannot be compared."""
+    for key in COMPARED_SIZES:
+        mine, theirs = getattr(config, key, None), getattr(base_config, key, None)
+        if mine != theirs:
+            raise BadInputError(f"{model} and {against} differ in {key} ({mine} and {theirs}), so their outputs "
+                                "cannot be compared; verify a compressed model --against the model it came from")
+
+
 def verify(model: str, against: str | None, texts: list[str], thresholds: dict[str, float] | None = None,
            max_length: int = 128, progress=None, device: str = "cpu") -> VerifyResult:
     """Load both checkpoints on `device` and compare them on `texts`; list every threshold that fails. `against`
@@ -117,6 +131,7 @@ def verify(model: str, against: str | None, texts: list[str], thresholds: dict[s
     base_folder = resolve_model(against)
     tokenizer = load_tokenizer(folder, f"verifying {model}")
     config = AutoConfig.from_pretrained(base_folder)
+    check_same_shape(model, AutoConfig.from_pretrained(folder), against, config)
     causal = is_language_model(config.architectures)
     max_length = within_positions(config.to_dict(), max_length)
     base = for_measuring(AutoModel.from_pretrained(base_folder)).to(device)

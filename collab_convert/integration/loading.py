@@ -120,14 +120,30 @@ def for_measuring(model):
     return model.eval()
 
 
+# Files a tokenizer is read from: a folder with none of them has no tokenizer (transformers may still build an
+# empty one from the config, which turns every word into the unknown token).
+TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges.txt", "*.model", "*.spm", "*.tiktoken", "added_tokens.json",
+                   "special_tokens_map.json")
+
+
 def load_tokenizer(folder, needed_for: str):
-    """The model's tokenizer, or a one-line error saying what needed it (`needed_for`, e.g. "calibration")."""
+    """The model's tokenizer, or a one-line error saying what needed it (`needed_for`, e.g. "calibration") and
+    what to do."""
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    folder = Path(folder)
+    fix = "copy the tokenizer files of the model it came from into the folder"
+    if folder.is_dir() and not any(path.is_file() for pattern in TOKENIZER_FILES for path in folder.glob(pattern)):
+        raise BadInputError(f"{needed_for} needs the model's tokenizer, but {folder} has none (no tokenizer.json, "
+                            f"vocab or tokenizer.model file); {fix}")
     try:
         return AutoTokenizer.from_pretrained(folder)
     except Exception as error:  # noqa: BLE001 - many ways for a tokenizer to be missing or broken
-        raise BadInputError(f"{needed_for} needs the model's tokenizer, which could not be loaded: {error}") from None
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        raise BadInputError(f"{needed_for} needs the model's tokenizer, which could not be loaded from {folder} "
+                            f"({lines[0].strip().rstrip(':')}); {fix}") from None
 
 
 def load_model(path, auto_class=None, **kwargs):

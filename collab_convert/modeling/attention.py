@@ -133,7 +133,9 @@ def shared_key_attention(module, query, key, value, attention_mask, scaling=None
         value = value.repeat_interleave(heads // value.shape[1], dim=1)
     position_bias = kwargs.get("position_bias")
     training = torch.is_grad_enabled() and (query.requires_grad or module.mixing.requires_grad)
-    # the host's own memory only: an accelerator (and the tests' stand-in for one, "cpu:1") takes the batched path
+    # the host's own memory only: an accelerator (and the tests' stand-in for one, "cpu:1") takes the batched path.
+    # It must: the blocks may run on worker threads, where a CUDA tensor would meet another thread's current
+    # device and stream (and the stand-in's modes, which are per thread, do not reach)
     if not keep_weights and not training and not is_tracing() and query.device == torch.device("cpu"):
         return _blocked_inference(module, shared_query, packed_key, value, attention_mask, position_bias, scaling,
                                   dropout, kwargs.get("is_causal")), None

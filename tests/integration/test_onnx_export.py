@@ -76,9 +76,10 @@ def test_an_encoder_decoder_exports_its_encoder(name, tmp_path):
     # what takes the input alone, and export.json says so
     from collab_convert.exporting import export
     from collab_convert.options import ExportOptions
-    from fixtures.models import build_family, family_case
+    from fixtures.models import build_family, family_case, save_tiny_tokenizer
 
     build_family(family_case(name), tmp_path / "in")
+    save_tiny_tokenizer(tmp_path / "in")  # the export checks its result on text
     compress(str(tmp_path / "in"), CompressOptions(form="shared-key", key_cache=0.5, output=tmp_path / "c", plots=False))
     result = export(str(tmp_path / "c"), ExportOptions(output=tmp_path / "onnx"))
     assert result.max_abs_difference <= 1e-4
