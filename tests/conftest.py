@@ -31,6 +31,15 @@ def quiet_machine(monkeypatch):
     monkeypatch.setattr(blocks.BlockWorkers, "_gauge", QuietMachine())
 
 
+@pytest.fixture(autouse=True)
+def no_stage_lines_on_a_timer(monkeypatch):
+    """Piped, a command writes a stage's line once the stage has run STAGE_LINE_AFTER seconds: how long a stage
+    takes depends on the machine's load, so here none does unless a test asks for them."""
+    from collab_convert.cli import render
+
+    monkeypatch.setattr(render, "STAGE_LINE_AFTER", 3600.0)
+
+
 @pytest.fixture
 def tiny_bert(tmp_path) -> Path:
     return save_tiny(tmp_path / "tiny-bert")

@@ -200,6 +200,17 @@ def test_analyze_piped_says_which_stage_it_is_in(tiny_bert, capsys, monkeypatch)
     assert "opening the model ..." in stages and "analyzing ..." in stages
 
 
+def test_compress_piped_says_which_stage_it_is_in_and_json_stays_clean(tiny_bert, tmp_path, capsys, monkeypatch):
+    import collab_convert.cli.render as render
+
+    monkeypatch.setattr(render, "STAGE_LINE_AFTER", 0.0)
+    assert main(["compress", str(tiny_bert), "--rank", "8", "-o", str(tmp_path / "out")]) == 0
+    stages = capsys.readouterr().err.splitlines()
+    assert "opening the model ..." in stages and any(line.startswith("writing") for line in stages), stages
+    assert main(["compress", str(tiny_bert), "--rank", "8", "-o", str(tmp_path / "json"), "--json"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_analyze_piped_and_quiet_prints_no_stage_lines(tiny_bert, capsys, monkeypatch):
     import collab_convert.cli.render as render
 

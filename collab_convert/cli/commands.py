@@ -112,7 +112,7 @@ def compress(
         else:
             print_plan(checked)
         return
-    result = run_with_progress(run_compress, model or DEFAULT_MODEL, chosen, show=not as_json)
+    result = run_with_progress(run_compress, model or DEFAULT_MODEL, chosen, show=not as_json, stage_lines=True)
     for warning in result.warnings or []:
         print_warning(warning)
     if as_json:
@@ -158,7 +158,7 @@ def export(
     from ..exporting import export as run_export
     from .render import print_export
 
-    result = run_with_progress(run_export, model, chosen, show=not as_json)
+    result = run_with_progress(run_export, model, chosen, show=not as_json, stage_lines=True)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     else:
@@ -190,7 +190,8 @@ def verify(
     from ..io.texts import read_texts
 
     result = run_with_progress(run_verify, model, chosen.against, read_texts(chosen.texts, chosen.samples),
-                               chosen.thresholds, show=not as_json, device=chosen.device)
+                               chosen.thresholds, show=not as_json, stage_lines=True,
+                               device=chosen.device)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     else:
