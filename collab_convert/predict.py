@@ -80,22 +80,26 @@ class FidelityEstimator:
 
     def cosines(self, folder: Path) -> tuple[float, float]:
         """Mean and 1st-percentile cosine of a written collaborative checkpoint's embeddings to the original's."""
+        stats = self._cosine_stats(folder)
+        return stats.mean, stats.p01
+
+    def _cosine_stats(self, folder: Path):
         from .integration.fidelity import cosine_stats, sentence_embeddings
         from .integration.layerwise import load_offloaded
 
         model = load_offloaded(folder, device=self.options.device)
-        stats = cosine_stats(self.reference, sentence_embeddings(
+        return cosine_stats(self.reference, sentence_embeddings(
             model, self.tokenizer, self.probe.texts, batch_size=self.batch_size,
             max_length=self.options.calibration_max_length, device=self.options.device))
-        return stats.mean, stats.p01
 
     def measured(self, folder: Path) -> dict:
-        """Fidelity of a finished checkpoint, for its report and card: cosines, and for language models the
-        next-token top-1 agreement and KL."""
-        cosine_mean, cosine_p01 = self.cosines(folder)
-        figures = {"measured_on": self.probe.description, "cosine_mean": cosine_mean, "cosine_p01": cosine_p01}
-        from .integration.fidelity import is_language_model, next_token_agreement
+        """Fidelity of a finished checkpoint, for its report and card: cosines, the held-out texts it serves
+        worst, and for language models the next-token top-1 agreement and KL."""
+        from .integration.fidelity import is_language_model, next_token_agreement, worst_texts
 
+        stats = self._cosine_stats(folder)
+        figures = {"measured_on": self.probe.description, "cosine_mean": stats.mean, "cosine_p01": stats.p01,
+                   "worst_texts": worst_texts(stats, self.probe.texts)}
         if is_language_model(self.source.config.get("architectures")):
             from transformers import AutoModelForCausalLM
 

@@ -275,3 +275,5 @@ class VerifyResult(_Data):
     top1_agreement: float | None = None
     kl_mean: float | None = None
     failures: list[str] | None = None
+    # the texts with the lowest cosines, lowest first: [{"cosine", "text"}] (the text cut to one short line)
+    worst_texts: list[dict] | None = None

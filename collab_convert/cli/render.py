@@ -172,7 +172,9 @@ def print_verification(result) -> None:
             f"min {result.cosine_min:.4f}")
     if result.top1_agreement is not None:
         line += f"; next-token top-1 agreement {result.top1_agreement:.4f}, KL {result.kl_mean:.4f}"
-    stdout.print(line, highlight=False)
+    from ..report.summary import worst_lines
+
+    stdout.print("\n".join([line, *worst_lines(result.worst_texts, "texts")]), highlight=False)
 
 
 def print_export(result) -> None:

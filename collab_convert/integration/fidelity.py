@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,16 +48,31 @@ class CosineStats:
     p01: float  # 1st percentile: the worst sentences
     minimum: float
     count: int
+    worst: list[tuple[int, float]] = field(default_factory=list)  # (index of the text, its cosine), lowest first
+
+
+WORST_SHOWN = 5  # the texts a report names where the model suffers most
 
 
 def cosine_stats(reference: torch.Tensor, candidate: torch.Tensor) -> CosineStats:
     cos = torch.nn.functional.cosine_similarity(reference.double(), candidate.double(), dim=-1)
+    lowest = torch.argsort(cos)[:WORST_SHOWN].tolist()
     return CosineStats(
         mean=float(cos.mean()),
         p01=float(torch.quantile(cos, 0.01)),
         minimum=float(cos.min()),
         count=int(cos.numel()),
+        worst=[(index, float(cos[index])) for index in lowest],
     )
+
+
+def worst_texts(stats: CosineStats, texts: list[str], width: int = 100) -> list[dict]:
+    """The texts with the lowest cosines, each cut to `width` characters on one line, for reports."""
+    shown = []
+    for index, cosine in stats.worst:
+        text = " ".join(texts[index].split())
+        shown.append({"cosine": cosine, "text": text if len(text) <= width else text[: width - 3] + "..."})
+    return shown
 
 
 def is_language_model(architectures: list[str] | None) -> bool:
@@ -142,7 +157,8 @@ def verify(model: str, against: str | None, texts: list[str], thresholds: dict[s
         sentence_embeddings(compressed, tokenizer, texts, max_length=max_length, progress=progress,
                             what="embedding (compressed)", device=device),
     )
-    result = VerifyResult(model, against, len(texts), cos.mean, cos.p01, cos.minimum)
+    result = VerifyResult(model, against, len(texts), cos.mean, cos.p01, cos.minimum,
+                          worst_texts=worst_texts(cos, texts))
     if causal:
         del base, compressed  # two models in memory at a time, not four
         result.top1_agreement, result.kl_mean = next_token_agreement(

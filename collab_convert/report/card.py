@@ -58,7 +58,7 @@ def write_model_card(result: "CompressResult", form, source: CardSource, folder:
         f"Every attention layer of `{result.model}` was {form.what_it_does()[0]} by collab-convert "
         f"{result.tool_version}: {form.what_it_does()[1]}.",
         "",
-        *summary_lines(result, form),
+        *summary_lines(result, form, texts=False),
         "",
         card.loading,
         "Details per layer are in report.md.",

@@ -51,7 +51,9 @@ def megabytes(count: int) -> str:
     return f"{count / 1e6:,.1f} MB"
 
 
-def fidelity_lines(result: "CompressResult") -> list[str]:
+def fidelity_lines(result: "CompressResult", texts: bool = True) -> list[str]:
+    """The fidelity measured, and with `texts` the held-out texts served worst (report.md: the model card, which
+    is published with the model, quotes none of the user's text)."""
     figures = result.fidelity
     if not figures:
         return ["- fidelity: not measured here (compress with --calibration measures it on held-out lines); run "
@@ -60,7 +62,15 @@ def fidelity_lines(result: "CompressResult") -> list[str]:
             f"1st percentile {figures['cosine_p01']:.4f}")
     if figures.get("top1_agreement") is not None:
         line += f"; next-token top-1 agreement {figures['top1_agreement']:.4f}, KL {figures['kl_mean']:.4f}"
-    return [line]
+    return [line, *(worst_lines(figures.get("worst_texts")) if texts else [])]
+
+
+def worst_lines(worst: list[dict] | None, texts: str = "held-out texts") -> list[str]:
+    """The texts the model serves worst, lowest cosine first: where a user sees it suffer."""
+    if not worst:
+        return []
+    return [f"- the {len(worst)} {texts} with the lowest embedding cosine:",
+            *(f"  - {text['cosine']:.4f}: {text['text']}" for text in worst)]
 
 
 def runtime_lines(result: "CompressResult") -> list[str]:
@@ -77,11 +87,11 @@ def runtime_lines(result: "CompressResult") -> list[str]:
             f"{runtime['repeats']}): {rows}"]
 
 
-def summary_lines(result: "CompressResult", form) -> list[str]:
+def summary_lines(result: "CompressResult", form, texts: bool = True) -> list[str]:
     """`form` (forms/, the result's form) words what only it knows: the sizes kept, the compute trade-off, the
-    error its fits left."""
+    error its fits left. `texts`: quote the held-out texts served worst (not in the model card)."""
     return [form.rank_sentence(result), "", *cost_lines(result, form), *runtime_lines(result),
-            *fidelity_lines(result), form.error_line(result),
+            *fidelity_lines(result, texts), form.error_line(result),
             *(f"- warning: {warning}" for warning in result.warnings or [])]
 
 

@@ -121,6 +121,14 @@ def test_verify_reports_fidelity_and_gates(tiny_bert, calibration_file, tmp_path
     report = json.loads(capsys.readouterr().out)
     assert report["texts"] == 32 and 0.1 < report["cosine_mean"] <= 1.0 + 1e-6
     assert report["cosine_p01"] <= report["cosine_mean"]
+    # the five texts served worst, lowest first, each one of the given lines
+    worst = report["worst_texts"]
+    lines = [" ".join(line.split()) for line in calibration_file.read_text().splitlines()]
+    assert len(worst) == 5 and [w["cosine"] for w in worst] == sorted(w["cosine"] for w in worst)
+    assert worst[0]["cosine"] == pytest.approx(report["cosine_min"]) and all(w["text"] in lines for w in worst)
+    assert main(arguments) == 0
+    shown = capsys.readouterr().out
+    assert "- the 5 texts with the lowest embedding cosine:" in shown and worst[0]["text"] in shown
     assert main(arguments + ["--min-cosine", "1.01"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: cosine_mean") and err.count("\n") == 1

@@ -1,5 +1,7 @@
 """Reports and the model card are written from result objects and metadata, never a loaded model."""
 
+import pytest
+
 from collab_convert.decompose.costs import (
     LayerShape,
     SharedKeyShape,
@@ -61,6 +63,37 @@ def test_report_and_card_tell_the_same_story(tmp_path):
         assert "measured on 32 held-out lines of news.txt: embedding cosine mean 0.9910, 1st percentile 0.9720" in text
     # scores: 4 heads x (16 + 1) - 48 = 20 more per key; projections save 2*48*48 - (2*48*16 + 4*16 + 48*4) = 2816
     assert "costs less per token than the original below about 140 tokens" in card
+
+
+def test_the_report_names_the_held_out_texts_served_worst_and_the_published_card_quotes_none(tmp_path):
+    result = a_result()
+    worst = [{"cosine": 0.9312, "text": "a line the model serves worst"}, {"cosine": 0.9577, "text": "the next"}]
+    result.fidelity = {"measured_on": "32 held-out lines of news.txt", "cosine_mean": 0.991, "cosine_p01": 0.972,
+                       "worst_texts": worst}
+    write_model_card(result, CP, CardSource(base_model="acme/tiny"), tmp_path)
+    report = markdown_report(result, CP)
+    assert "- the 2 held-out texts with the lowest embedding cosine:" in report
+    assert "  - 0.9312: a line the model serves worst\n  - 0.9577: the next" in report
+    card = (tmp_path / "README.md").read_text()
+    assert "1st percentile 0.9720" in card and "serves worst" not in card
+
+
+def test_the_worst_texts_are_the_lowest_cosines_lowest_first_on_one_short_line():
+    import torch
+
+    from collab_convert.integration.fidelity import cosine_stats, worst_texts
+
+    reference = torch.eye(8)
+    candidate = torch.eye(8)
+    for index, blend in [(2, 0.9), (5, 0.5), (6, 0.7)]:  # text i drifts toward another: cosines 0.11, 0.71, 0.39
+        candidate[index] = reference[index] * (1 - blend) + reference[(index + 1) % 8] * blend
+    texts = [f"text {i}" for i in range(8)]
+    texts[5] = "a long\nline " + "x" * 200
+    stats = cosine_stats(reference, candidate)
+    shown = worst_texts(stats, texts, width=40)
+    assert [entry["text"][:6] for entry in shown[:3]] == ["text 2", "text 6", "a long"]
+    assert shown[0]["cosine"] == pytest.approx(stats.minimum) and len(shown) == 5
+    assert "\n" not in shown[2]["text"] and len(shown[2]["text"]) == 40 and shown[2]["text"].endswith("...")
 
 
 def test_without_measurements_the_card_says_how_to_measure(tmp_path):
