@@ -72,6 +72,36 @@ def test_half_the_kv_cache_is_half_of_transformers_own_cache(name, tmp_path):
     assert layer.rank == layer.kv_heads * layer.head_dim // 2 and sum(layer.frequency_ranks) == layer.rank // 2
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2-yarn-rope"])
+def test_engines_that_read_rope_theta_and_rope_scaling_turn_the_shared_key_at_the_same_frequencies(name, tmp_path):
+    """transformers 4's names, as SGLang's model code and older readers take them (`rope_theta`, default 10000
+    where missing; `rope_scaling` with longrope's per-pair factors), give the frequencies transformers 5 builds
+    from rope_parameters."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    build_rotary(case(name), tmp_path / "in")
+    compress(str(tmp_path / "in"), CompressOptions(kv_cache=0.5, output=tmp_path / "out", weight_only=True))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    scaling, width = config["rope_scaling"], config["head_dim"]
+    assert scaling["rope_type"] == "longrope" and "rope_theta" not in scaling
+    # longrope as transformers 4 and SGLang's Phi3LongRoPEScaledRotaryEmbedding compute it (short = long here)
+    exponents = torch.arange(0, width, 2, dtype=torch.int64).float() / width
+    legacy = 1.0 / (torch.tensor(scaling["short_factor"]) * config["rope_theta"] ** exponents)
+    assert scaling["short_factor"] == scaling["long_factor"]
+    built = LlamaRotaryEmbedding(AutoConfig.from_pretrained(tmp_path / "out"))
+    assert built.attention_scaling == pytest.approx(scaling.get("attention_factor", 1.0))
+    # cos/sin scaled as transformers 5 scales them: engines take short/long_mscale, or with neither derive 1 from a
+    # length that is not extended
+    if "short_mscale" in scaling:
+        assert scaling["short_mscale"] == scaling["long_mscale"] == pytest.approx(built.attention_scaling)
+    else:
+        assert config["max_position_embeddings"] <= scaling["original_max_position_embeddings"]
+        assert built.attention_scaling == 1.0
+    assert torch.allclose(built.inv_freq, legacy, rtol=1e-6)
+
+
 def test_the_key_profile_is_the_same_in_every_layer_and_the_config_says_it(tmp_path):
     build_rotary(case("llama"), tmp_path / "in")
     result = compress(str(tmp_path / "in"), CompressOptions(kv_cache=0.5, output=tmp_path / "out"))

@@ -67,10 +67,9 @@ def write_stock_config(source: SourceModel, width: int, profile: KeyRanks, folde
     written_as = source.layout.written_as
     config = written_as.config(source.config) if written_as else dict(source.config)
     rope = stock_rope_parameters(rope_frequencies(source.folder), slot_frequencies(profile))
-    for legacy in ("rope_scaling", "rope_theta"):  # transformers' older names: rope_parameters holds them now
-        config.pop(legacy, None)
     kept = {k: v for k, v in (config.get("rope_parameters") or {}).items() if k == "partial_rotary_factor"}
     config.update(num_key_value_heads=1, head_dim=width, rope_parameters={**rope, **kept})
+    config.update(legacy_rope_keys(config["rope_parameters"]))
     layer = source.layers[0]
     config[MULTI_QUERY_RECORD] = {
         "form": MULTI_QUERY_FORM, "tool_version": __version__, "base_model": source.source,
@@ -80,6 +79,19 @@ def write_stock_config(source: SourceModel, width: int, profile: KeyRanks, folde
         "source_gguf": _source_gguf(source.folder),
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def legacy_rope_keys(rope_parameters: dict) -> dict:
+    """The same RoPE under transformers 4's names, which transformers 5 reads as they are: engines that read
+    config.json the older way (SGLang's model code takes `rope_theta` and `rope_scaling`, with a default base of
+    10000 where `rope_theta` is missing; llama.cpp's HF converter; TGI) would otherwise turn the shared key at the
+    wrong frequencies without a word."""
+    keys = {"rope_theta": rope_parameters["rope_theta"],
+            "rope_scaling": {k: v for k, v in rope_parameters.items()
+                             if k not in ("rope_theta", "partial_rotary_factor")}}
+    if "partial_rotary_factor" in rope_parameters:
+        keys["partial_rotary_factor"] = rope_parameters["partial_rotary_factor"]
+    return keys
 
 
 def _source_gguf(folder: Path) -> str | None:
