@@ -82,10 +82,10 @@ def write_stock_config(source: SourceModel, width: int, profile: KeyRanks, folde
 
 
 def legacy_rope_keys(rope_parameters: dict) -> dict:
-    """The same RoPE under transformers 4's names, which transformers 5 reads as they are: engines that read
-    config.json the older way (SGLang's model code takes `rope_theta` and `rope_scaling`, with a default base of
-    10000 where `rope_theta` is missing; llama.cpp's HF converter; TGI) would otherwise turn the shared key at the
-    wrong frequencies without a word."""
+    """The same RoPE under transformers 4's names, which transformers 5 reads as the same frequencies: a reader
+    of the older names (SGLang's model code under transformers 4 takes `rope_theta`, 10000 where it is missing,
+    and `rope_scaling`; docs/serving.md) would otherwise turn the shared key at the wrong frequencies without a
+    word."""
     keys = {"rope_theta": rope_parameters["rope_theta"],
             "rope_scaling": {k: v for k, v in rope_parameters.items()
                              if k not in ("rope_theta", "partial_rotary_factor")}}
