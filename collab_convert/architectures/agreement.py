@@ -17,6 +17,7 @@ import torch
 from ..errors import BadInputError
 from ..io.reader import TensorReader
 from .families import Family
+from .naming import meta_skeleton
 
 # Config keys that count layers (their names across families; transformers maps them onto num_hidden_layers).
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers", "encoder_layers",
@@ -122,14 +123,8 @@ def _check_rope_settings(model_config) -> None:
 
 
 def _skeleton(model_config, config: dict[str, Any]) -> torch.nn.Module:
-    import transformers
-    from transformers import AutoModel
-
-    architectures = config.get("architectures") or []
-    model_class = getattr(transformers, architectures[0], None) if len(architectures) == 1 else None
     try:
-        with torch.device("meta"):
-            return model_class(model_config) if model_class else AutoModel.from_config(model_config)
+        return meta_skeleton(model_config, config)
     except Exception as error:  # noqa: BLE001 - a config transformers cannot build a model from
         raise BadInputError(f"transformers cannot build the model config.json describes: {_first_line(error)}") \
             from None

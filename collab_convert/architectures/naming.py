@@ -18,25 +18,33 @@ def _identity(name: str) -> str:
     return name
 
 
+def meta_skeleton(model_config, config: dict[str, Any]):
+    """The model class config.json names (or AutoModel's), built on the meta device: every module and tensor
+    shape, no memory, no weights."""
+    import torch
+    import transformers
+    from transformers import AutoModel
+
+    architectures = config.get("architectures") or []
+    model_class = getattr(transformers, architectures[0], None) if len(architectures) == 1 else None
+    with torch.device("meta"):
+        return model_class(model_config) if model_class else AutoModel.from_config(model_config)
+
+
 def model_renamer(folder: Path, config: dict[str, Any]) -> Callable[[str], str]:
     """checkpoint key -> the key the loaded model uses (the identity for most architectures)."""
     try:
-        import transformers
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
         architectures = config.get("architectures") or []
         names = [*architectures, config.get("model_type")]
         if not any(name and get_checkpoint_conversion_mapping(name) for name in names):
             return _identity
-        import torch
-        from transformers import AutoConfig, AutoModel
+        from transformers import AutoConfig
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, rename_source_key
 
-        model_config = AutoConfig.from_pretrained(folder)
-        model_class = getattr(transformers, architectures[0], None) if len(architectures) == 1 else None
-        with torch.device("meta"):
-            model = model_class(model_config) if model_class else AutoModel.from_config(model_config)
+        model = meta_skeleton(AutoConfig.from_pretrained(folder), config)
         conversions = get_model_conversion_mapping(model)
     except Exception:  # noqa: BLE001 - no skeleton means no renaming to learn; names stay as they are
         return _identity
