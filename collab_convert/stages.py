@@ -64,15 +64,9 @@ def within_positions(source: SourceModel, options: CompressOptions) -> CompressO
 
 
 def _check_distillation(source: SourceModel, options: CompressOptions) -> None:
-    from .integration.fidelity import is_language_model
-
     if options.calibration is None:
         raise BadInputError("--distill-steps learns from calibration text: drop --weight-only (a language model "
                             "calibrates on built-in text by default) or give --calibration FILE")
-    if not is_language_model(source.config.get("architectures")):
-        raise BadInputError("--distill-steps matches next-token distributions, so it needs a language model "
-                            "(config.json's architectures name a ...ForCausalLM), not "
-                            f"{source.config.get('architectures')}")
 
 
 PROBE_TEXTS = 32  # texts a fidelity estimate measures on
@@ -154,16 +148,18 @@ def calibration_texts(options: CompressOptions) -> tuple[list[str], ProbeTexts]:
 def distill_checkpoint(source: SourceModel, folder: Path, texts: list[str], options: CompressOptions,
                        progress: Progress, names: list[str] | None = None) -> dict[str, Any]:
     """--distill-steps: tune the written checkpoint's collaborative tensors (or the tensors `names`, where the form
-    says which) together against the original (integration/distillation.py) and write the best state over them
-    in place; what happened, for the report."""
-    from .integration.distillation import distill
+    says which) together against the original (integration/distillation.py: next-token distributions for a
+    language model, token states and sentence embeddings for an encoder) and write the best state over them in
+    place; what happened, for the report."""
+    from .integration.distillation import distill, objective_for
     from .io.reader import TensorReader
     from .io.writer import overwrite_tensors
 
     progress("distilling", 0, options.distill_steps)
     with reused_heap():  # every step allocates the same activations afresh (cpu.reused_heap)
         tuned, report = distill(source.folder, folder, texts, options.calibration_max_length, options.distill_steps,
-                                options.seed, progress, options.device, names)
+                                options.seed, progress, options.device, names,
+                                objective_for(source.config.get("architectures")))
     reader = TensorReader(folder)
     try:
         on_disk = set(reader.names())

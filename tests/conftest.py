@@ -34,10 +34,12 @@ def quiet_machine(monkeypatch):
 @pytest.fixture(autouse=True)
 def no_stage_lines_on_a_timer(monkeypatch):
     """Piped, a command writes a stage's line once the stage has run STAGE_LINE_AFTER seconds: how long a stage
-    takes depends on the machine's load, so here none does unless a test asks for them."""
+    takes depends on the machine's load, so here none does unless a test asks for them (nor in the commands a
+    test runs in a child process: they read the environment)."""
     from collab_convert.cli import render
 
     monkeypatch.setattr(render, "STAGE_LINE_AFTER", 3600.0)
+    monkeypatch.setenv("COLLAB_CONVERT_STAGE_LINE_AFTER", "3600")
 
 
 @pytest.fixture

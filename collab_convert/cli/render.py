@@ -70,7 +70,9 @@ def run_with_progress(function, *args, show: bool = True, stage_lines: bool = Fa
         return function(*args, progress=progress, **kwargs)
 
 
-STAGE_LINE_AFTER = 2.0  # seconds a stage runs before its line appears: a bad input fails faster, in one line
+# Seconds a stage runs before its line appears: a bad input fails faster, in one line. The environment may set it
+# (a CI log that wants no stage lines, or every one at once with 0).
+STAGE_LINE_AFTER = float(os.environ.get("COLLAB_CONVERT_STAGE_LINE_AFTER", "2.0"))
 
 
 def _with_stage_lines(function, *args, **kwargs):

@@ -1,15 +1,19 @@
 """Distillation through the whole model: the collaborative parameters of every layer, tuned together.
 
 Each layer is fitted on its own (its attention against the original's, on the original's inputs). That cannot
-let one layer make up for what another lost. Here the fitted model (the student) learns the original's
-next-token distributions (KL, over every real token of the calibration text) by Adam on the collaborative
-tensors alone: shared keys, key mixings, cores, shared queries, mixing vectors and content biases. Every other
-weight stays as it was. The step for each tensor is a share of its own scale, so models of any scale and
-dtype get the same relative step.
+let one layer make up for what another lost. Here the fitted model (the student) learns the original's outputs
+by Adam on the collaborative tensors alone: shared keys, key mixings, cores, shared queries, mixing vectors and
+content biases. Every other weight stays as it was. What it learns depends on what the model is for:
+  - a language model: the original's next-token distributions (KL, over every real token of the text);
+  - an encoder: the original's final token states (1 - cosine, token by token) and its sentence embedding
+    (1 - cosine of the mean-pooled states, the sentence-transformers recipe), the two weighted alike.
+The step for each tensor is a share of its own scale, so models of any scale and dtype get the same relative
+step.
 
 The best state on a held-out tenth of the texts (at most HELD_OUT_MAX) is kept, judged every CHECK_EVERY
-steps, and the run stops early after PATIENCE checks without a gain. Unlike the rest of a calibrated run, both
-models are loaded whole, on the run's device; the best state comes back in host memory.
+steps by the held-out measure (next-token KL; for an encoder, 1 - cosine of the sentence embeddings), and the
+run stops early after PATIENCE checks without a gain. Unlike the rest of a calibrated run, both models are
+loaded whole, on the run's device; the best state comes back in host memory.
 """
 
 from __future__ import annotations
@@ -37,80 +41,144 @@ HELD_OUT_MAX = 8
 
 @dataclass
 class Distillation:
+    objective: str  # what the student learned
+    measure: str  # the held-out measure the best state is chosen by
     steps: int  # steps taken (the best state may come from an earlier one)
     best_step: int
-    kl_before: float  # held-out mean KL(original || result) per token, nats
-    kl_after: float
+    before: float  # the held-out measure before and after
+    after: float
     sequences: int  # training sequences
     held_out: int
     trained: int  # parameters tuned
     seconds: float
 
     def as_dict(self) -> dict:
-        return {"objective": "KL of the next-token distributions against the original's, every layer together",
-                "steps": self.steps, "best_step": self.best_step, "kl_before": self.kl_before,
-                "kl_after": self.kl_after, "sequences": self.sequences, "held_out_sequences": self.held_out,
-                "parameters_tuned": self.trained, "seconds": round(self.seconds, 2)}
+        found = {"objective": self.objective, "held_out_measure": self.measure, "steps": self.steps,
+                 "best_step": self.best_step, "before": self.before, "after": self.after,
+                 "sequences": self.sequences, "held_out_sequences": self.held_out,
+                 "parameters_tuned": self.trained, "seconds": round(self.seconds, 2)}
+        if self.measure == NextTokens.measure:  # the names gates and scripts read for language models
+            found.update(kl_before=self.before, kl_after=self.after)
+        return found
+
+
+class NextTokens:
+    """A language model's objective: KL(original || result) of the next-token distributions, every real token."""
+
+    objective = "KL of the next-token distributions against the original's, every layer together"
+    measure = "next-token KL, nats per token"
+
+    @staticmethod
+    def load(folder: Path, ours: bool):
+        from transformers import AutoModelForCausalLM
+
+        from .loading import load_model
+
+        if ours:
+            return load_model(folder, AutoModelForCausalLM, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+    @staticmethod
+    def losses(teacher, student, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(training loss summed over the units, held-out measure summed over them, how many units)."""
+        real = attention_mask.bool()
+        with torch.no_grad():
+            target = torch.log_softmax(teacher(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)
+        predicted = torch.log_softmax(student(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)
+        kl = torch.nn.functional.kl_div(predicted, target, log_target=True, reduction="none").sum(-1)[real].sum()
+        return kl, kl.detach(), int(real.sum())
+
+
+class Embeddings:
+    """An encoder's objective: its final token states and its mean-pooled sentence embedding, by cosine; one unit
+    per sequence. Only the embedding's cosine is the held-out measure: it is what users compare."""
+
+    objective = ("1 - cosine of the final token states and of the mean-pooled sentence embeddings against the "
+                 "original's, every layer together")
+    measure = "1 - cosine of the sentence embeddings"
+
+    @staticmethod
+    def load(folder: Path, ours: bool):
+        from transformers import AutoModel
+
+        from .loading import load_model
+
+        if ours:
+            return load_model(folder, AutoModel, dtype=torch.float32)
+        return AutoModel.from_pretrained(folder, dtype=torch.float32)
+
+    @staticmethod
+    def losses(teacher, student, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor, int]:
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if getattr(teacher.config, "is_encoder_decoder", False):  # the decoder reads the text too, as in fidelity
+            batch.update(decoder_input_ids=input_ids, decoder_attention_mask=attention_mask)
+        with torch.no_grad():
+            target = teacher(**batch).last_hidden_state.float()
+        states = student(**batch).last_hidden_state.float()
+        mask = attention_mask.unsqueeze(-1).to(states.dtype)
+        tokens = mask.sum(1).clamp_min(1.0)
+        token_loss = ((1 - torch.nn.functional.cosine_similarity(states, target, dim=-1)) * mask[..., 0]).sum(1)
+        pooled_loss = 1 - torch.nn.functional.cosine_similarity((states * mask).sum(1) / tokens,
+                                                                (target * mask).sum(1) / tokens, dim=-1)
+        return (token_loss / tokens[:, 0] + pooled_loss).sum(), pooled_loss.detach().sum(), input_ids.shape[0]
+
+
+def objective_for(architectures: list[str] | None):
+    from .fidelity import is_language_model
+
+    return NextTokens if is_language_model(architectures) else Embeddings
 
 
 def distill(original: Path, result: Path, texts: list[str], max_length: int, steps: int, seed: int = 0,
-            progress: Progress = no_progress, device: Device = HOST,
-            names: list[str] | None = None) -> tuple[dict[str, torch.Tensor], Distillation]:
+            progress: Progress = no_progress, device: Device = HOST, names: list[str] | None = None,
+            objective=NextTokens) -> tuple[dict[str, torch.Tensor], Distillation]:
     """Tune the collaborative tensors of the checkpoint at `result` (or the checkpoint tensors `names`) against the
-    model at `original`; the best state of the tuned tensors, by parameter name in the loaded model (the caller
-    writes them into the checkpoint), and what happened."""
-    from transformers import AutoModelForCausalLM
-
+    model at `original`, by `objective` (NextTokens or Embeddings); the best state of the tuned tensors, by
+    parameter name in the loaded model (the caller writes them into the checkpoint), and what happened."""
     from .batches import right_padded
-    from .loading import for_measuring, load_model, load_tokenizer
+    from .loading import for_measuring, load_tokenizer
 
     started = time.perf_counter()
     tokenizer = load_tokenizer(original, "distillation")
-    teacher = for_measuring(AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32)).to(device)
-    student = for_measuring(load_model(result, AutoModelForCausalLM, dtype=torch.float32)).to(device)
+    teacher = for_measuring(objective.load(original, ours=False)).to(device)
+    student = for_measuring(objective.load(result, ours=True)).to(device)
     tuned = _tunable(student, names)
     training, held_out = _split(tokenizer(texts, truncation=True, max_length=max_length)["input_ids"])
     generator = torch.Generator().manual_seed(seed)
     optimiser = torch.optim.Adam([{"params": [p], "lr": RELATIVE_STEP * float(p.detach().pow(2).mean().sqrt())}
                                   for p in tuned.values()])
 
-    def batch_kl(sequences: list[list[int]]) -> tuple[torch.Tensor, int]:
-        """(sum of KL(original || result) over the real tokens, how many)."""
+    def batch_losses(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
         input_ids, attention_mask = moved(right_padded(sequences, pad=tokenizer.pad_token_id or 0), device)
-        real = attention_mask.bool()
-        with torch.no_grad():
-            target = torch.log_softmax(teacher(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)
-        predicted = torch.log_softmax(student(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)
-        kl = torch.nn.functional.kl_div(predicted, target, log_target=True, reduction="none").sum(-1)
-        return kl[real].sum(), int(real.sum())
+        return objective.losses(teacher, student, input_ids, attention_mask)
 
     @torch.no_grad()
-    def held_out_kl() -> float:
-        parts = [batch_kl(held_out[i : i + BATCH_SEQUENCES]) for i in range(0, len(held_out), BATCH_SEQUENCES)]
-        return float(sum(total for total, _ in parts)) / sum(count for _, count in parts)
+    def held_out_measure() -> float:
+        parts = [batch_losses(held_out[i : i + BATCH_SEQUENCES]) for i in range(0, len(held_out), BATCH_SEQUENCES)]
+        return float(sum(measured for _, measured, _ in parts)) / sum(count for _, _, count in parts)
 
-    before = best = held_out_kl()
+    before = best = held_out_measure()
     best_state, best_step, since_best, step = _snapshot(tuned), 0, 0, 0
     for step in range(1, steps + 1):
         picks = torch.randperm(len(training), generator=generator)[:BATCH_SEQUENCES].tolist()
-        total, count = batch_kl([training[i] for i in picks])
+        total, _, count = batch_losses([training[i] for i in picks])
         loss = total / count
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
-        shown = f"training KL {float(loss.detach()):.4f}, held-out {before:.4f} -> {best:.4f}"
+        shown = f"training loss {float(loss.detach()):.4f}, held-out {before:.4f} -> {best:.4f}"
         progress(f"distilling{DETAIL}{shown}", step, steps)
         if step % CHECK_EVERY and step != steps:
             continue
-        current = held_out_kl()
+        current = held_out_measure()
         if current < best:
             best, best_state, best_step, since_best = current, _snapshot(tuned), step, 0
         else:
             since_best += 1
             if since_best >= PATIENCE:
                 break
-    report = Distillation(step, best_step, before, best, len(training), len(held_out),
-                          sum(p.numel() for p in tuned.values()), time.perf_counter() - started)
+    report = Distillation(objective.objective, objective.measure, step, best_step, before, best, len(training),
+                          len(held_out), sum(p.numel() for p in tuned.values()), time.perf_counter() - started)
     return best_state, report
 
 

@@ -102,7 +102,7 @@ def _distillation_lines(distillation: dict | None) -> list[str]:
     if not distillation:
         return []
     d = distillation
-    return [f"- distillation (every layer together, next-token KL against the original on {d['held_out_sequences']} "
-            f"held-out calibration texts): {d['kl_before']:.4f} -> {d['kl_after']:.4f} nats per token; best of "
+    return [f"- distillation (every layer together, {d['objective']}): {d['held_out_measure']} on "
+            f"{d['held_out_sequences']} held-out calibration texts {d['before']:.4f} -> {d['after']:.4f}; best of "
             f"{d['steps']} Adam steps at step {d['best_step']}, {d['parameters_tuned']:,} parameters tuned on "
             f"{d['sequences']} texts"]

@@ -87,14 +87,38 @@ def test_distillation_needs_calibration_text(tiny_llama, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_distillation_needs_a_language_model(tiny_llama, tmp_path):
+def test_an_encoder_is_distilled_on_its_sentence_embeddings(tiny_llama, tmp_path):
+    from transformers import AutoModel, AutoTokenizer
+
+    from collab_convert.integration.fidelity import cosine_stats, sentence_embeddings
+
     _, texts = tiny_llama
     save_tiny(tmp_path / "encoder")
-    save_tiny_tokenizer(tmp_path / "encoder")
-    with pytest.raises(BadInputError, match="language model"):
-        compress(str(tmp_path / "encoder"), CompressOptions(rank=8, output=tmp_path / "out", calibration=texts,
-                                                            distill_steps=5))
-    assert not (tmp_path / "out").exists()
+    encoder = AutoModel.from_pretrained(tmp_path / "encoder")
+    with torch.no_grad():  # random init scores near zero (uniform attention, nothing to lose): make them matter
+        for layer in encoder.encoder.layer:
+            layer.attention.self.query.weight.mul_(8)
+            layer.attention.self.key.weight.mul_(8)
+    encoder.save_pretrained(tmp_path / "encoder")
+    fitted, distilled = tmp_path / "fitted", tmp_path / "distilled"
+    settings = dict(rank=4, calibration=texts, calibration_samples=32, refine_steps=10)
+    compress(str(tmp_path / "encoder"), CompressOptions(output=fitted, **settings))
+    result = compress(str(tmp_path / "encoder"), CompressOptions(output=distilled, distill_steps=60, **settings))
+
+    report = result.distillation
+    assert report["held_out_measure"] == "1 - cosine of the sentence embeddings"
+    assert report["after"] < report["before"] and "kl_after" not in report
+    before, after = tensors(fitted), tensors(distilled)
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed and all(collaborative(name) for name in changed)
+
+    # Loaded back, its sentence embeddings of the calibration texts are closer to the original's than the fit's.
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "encoder")
+    reference = sentence_embeddings(AutoModel.from_pretrained(tmp_path / "encoder"), tokenizer, TEXTS)
+    cosine = {folder.name: cosine_stats(reference, sentence_embeddings(load_model(folder, AutoModel), tokenizer,
+                                                                       TEXTS)).mean for folder in (fitted, distilled)}
+    assert cosine["distilled"] > cosine["fitted"]
+    assert "sentence embeddings" in (distilled / "report.md").read_text()
 
 
 @pytest.mark.parametrize("form, budget, parts", [
