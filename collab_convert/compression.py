@@ -23,7 +23,8 @@ from .options import CompressOptions, gate_failures
 from .progress import Progress, StageClock, no_progress
 from .results import CompressPlan, CompressResult
 from .resume import FinishedLayers
-from .stages import calibration_texts, check_plan, decoder_calibration, distill_checkpoint, within_positions
+from .stages import (calibration_texts, check_plan, decoder_calibration, distill_checkpoint, mixed_calibration,
+                     within_positions)
 
 
 def plan(model: str, options: CompressOptions) -> CompressPlan:
@@ -74,7 +75,12 @@ def _stages(source: SourceModel, form: Form, form_plan: FormPlan, options: Compr
     calibration keeps on disk)."""
     options = within_positions(source, options)
     fitted, held_out = calibration_texts(options) if options.calibration is not None else (None, None)
+    mix = None
+    if fitted is not None:
+        fitted, mix = mixed_calibration(source, options, fitted)
     statistics = form.statistics(source, options, fitted, progress, staged.scratch)
+    if mix is not None and statistics.calibration is not None:
+        statistics.calibration["mix"] = mix
     estimator = form.estimator(source, options, statistics, held_out)
     sizes, size_choice = form.sizes(source, options, form_plan, statistics, estimator, progress)
     finished = FinishedLayers(staged.finished_work, form.report_type)

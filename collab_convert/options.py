@@ -167,6 +167,13 @@ class CompressOptions(_ModelInputs, FidelityGates):
         "together, up to this many Adam steps (4 calibration texts each), so the next-token distributions match "
         "the original's; the best state on held-out texts is kept. Loads both models whole. E.g. 100; 0: off.",
     )
+    # Encoders: calibration texts mixed to cover lengths and styles (calibration_mix.py), so the fit holds on text
+    # unlike the calibration's own.
+    calibration_mix: Literal["auto", "as-given", "lengths", "lengths+built-in"] = Field(
+        "auto", description="Encoders: what the fit sees of --calibration. as-given: the lines as they are; "
+        "lengths: each line, one of its sentences, and windows past its first; lengths+built-in: also built-in "
+        "English lines of many styles. auto: as-given (language models always).",
+    )
     output: Path = Field(
         description="Folder to write the collaborative checkpoint to.",
         json_schema_extra={"flags": ["--output", "-o"]},

@@ -145,6 +145,21 @@ def calibration_texts(options: CompressOptions) -> tuple[list[str], ProbeTexts]:
                                       "none were left to hold out)")
 
 
+def mixed_calibration(source: SourceModel, options: CompressOptions, texts: list[str]) -> tuple[list[str], str]:
+    """(the texts an encoder is fitted on, what the mix was): --calibration-mix (calibration_mix.py). Language
+    models take the texts as given: their calibration is about long contexts, not sentence embeddings."""
+    from .calibration_mix import mixed
+    from .integration.fidelity import is_language_model
+    from .io.texts import read_texts
+
+    mix = "as-given" if options.calibration_mix == "auto" else options.calibration_mix
+    if is_language_model(source.config.get("architectures")):
+        mix = "as-given"
+    built_in = read_texts(BUILT_IN_TEXT) if mix == "lengths+built-in" else None
+    found = mixed(texts, options.calibration_max_length, mix, built_in)
+    return found.texts, f"{options.calibration_mix}: {found.description}"
+
+
 def distill_checkpoint(source: SourceModel, folder: Path, texts: list[str], options: CompressOptions,
                        progress: Progress, names: list[str] | None = None) -> dict[str, Any]:
     """--distill-steps: tune the written checkpoint's collaborative tensors (or the tensors `names`, where the form
