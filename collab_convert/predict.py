@@ -52,18 +52,28 @@ class FidelityEstimator:
         """`write(folder, ranks, progress)` writes a checkpoint at these ranks (by layer) into an empty folder,
         where ranks are searched."""
         from .integration.batches import batch_tokens
-        from .integration.fidelity import sentence_embeddings
-        from .integration.layerwise import load_offloaded
         from .integration.loading import load_tokenizer
 
         self.source, self.options, self.probe, self.write = source, options, probe, write
         self.tokenizer = load_tokenizer(source.folder, "a fidelity estimate")
         # as many texts per forward pass as keep a block's activations small (calibration's batch size)
         self.batch_size = max(1, batch_tokens(source.width) // options.calibration_max_length)
-        original = load_offloaded(source.folder, device=options.device)
-        self.reference = sentence_embeddings(original, self.tokenizer, probe.texts, batch_size=self.batch_size,
-                                             max_length=options.calibration_max_length, device=options.device)
+        self._reference = None
         self.cache: dict[int, Estimate] = {}
+
+    @property
+    def reference(self):
+        """The original's embeddings of the probe texts, computed when a cosine first needs them."""
+        if self._reference is None:
+            from .integration.fidelity import sentence_embeddings
+            from .integration.layerwise import load_offloaded
+
+            original = load_offloaded(self.source.folder, device=self.options.device)
+            self._reference = sentence_embeddings(original, self.tokenizer, self.probe.texts,
+                                                  batch_size=self.batch_size,
+                                                  max_length=self.options.calibration_max_length,
+                                                  device=self.options.device)
+        return self._reference
 
     def at(self, rank: int, progress: Progress = no_progress) -> Estimate:
         if rank not in self.cache:
@@ -94,24 +104,26 @@ class FidelityEstimator:
 
     def measured(self, folder: Path) -> dict:
         """Fidelity of a finished checkpoint, for its report and card: cosines, the held-out texts it serves
-        worst, and for language models the next-token top-1 agreement and KL."""
-        from .integration.fidelity import is_language_model, next_token_agreement, worst_texts
+        worst, and for language models the next-token top-1 agreement and KL (one pass of each model gives both:
+        integration/fidelity.compare_language_models)."""
+        from .integration.fidelity import compare_language_models, is_language_model, worst_texts
 
-        stats = self._cosine_stats(folder)
-        figures = {"measured_on": self.probe.description, "cosine_mean": stats.mean, "cosine_p01": stats.p01,
-                   "worst_texts": worst_texts(stats, self.probe.texts)}
+        next_tokens = {}
         if is_language_model(self.source.config.get("architectures")):
             from transformers import AutoModelForCausalLM
 
             from .integration.layerwise import load_offloaded
 
             device = self.options.device
-            figures["top1_agreement"], figures["kl_mean"] = next_token_agreement(
+            found = compare_language_models(
                 load_offloaded(folder, AutoModelForCausalLM, device),
                 load_offloaded(self.source.folder, AutoModelForCausalLM, device),
-                self.tokenizer, self.probe.texts, self.options.calibration_max_length, device=device,
-            )
-        return figures
+                self.tokenizer, self.probe.texts, self.options.calibration_max_length, device=device)
+            stats, next_tokens = found.cosine, {"top1_agreement": found.top1_agreement, "kl_mean": found.kl_mean}
+        else:
+            stats = self._cosine_stats(folder)
+        return {"measured_on": self.probe.description, "cosine_mean": stats.mean, "cosine_p01": stats.p01,
+                "worst_texts": worst_texts(stats, self.probe.texts), **next_tokens}
 
     def smallest_rank(self, target: float, progress: Progress = no_progress) -> Estimate:
         """The smallest multiple of the head count whose mean cosine reaches `target` (bisection: fidelity grows

@@ -110,6 +110,63 @@ def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: i
     return agree / max(total, 1), kl_sum / max(total, 1)
 
 
+@dataclass
+class LanguageModelFidelity:
+    cosine: CosineStats  # sentence embeddings (mean-pooled final states of the base model)
+    top1_agreement: float
+    kl_mean: float
+
+
+@torch.no_grad()
+def compare_language_models(model, base, tokenizer, texts: list[str], max_length: int = 128, progress=None,
+                            device: Device = HOST) -> LanguageModelFidelity:
+    """Sentence-embedding cosines, next-token top-1 agreement and mean KL(base || model), from one forward pass of
+    each model per batch: the embedding is read off the base model's final states (a hook) while the head computes
+    the logits, so neither model runs twice. Texts run right-padded (a causal model's real positions never see the
+    padding after them), as many in a batch as keep its logits within LOGIT_BYTES."""
+    from .batches import right_padded
+
+    encoded = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
+    longest = max((len(ids) for ids in encoded), default=1)
+    batch_size = max(1, LOGIT_BYTES // (4 * longest * base.config.get_text_config().vocab_size))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pooled = {"model": [], "base": []}
+    agree, total, kl_sum = 0, 0, 0.0
+    for start in range(0, len(encoded), batch_size):
+        if progress:
+            progress("measuring fidelity", start, len(encoded))
+        chosen = [ids or [pad] for ids in encoded[start : start + batch_size]]
+        input_ids, attention_mask = moved(right_padded(chosen, pad), device)
+        mask = attention_mask.unsqueeze(-1).float()
+        predicted = {}
+        for name, which in (("base", base), ("model", model)):
+            states, logits = _states_and_logits(which, input_ids, attention_mask)
+            embedding = (states.float() * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+            pooled[name].append(torch.nn.functional.normalize(embedding, dim=-1).to(HOST))
+            predicted[name] = torch.log_softmax(logits.float(), -1)
+        real = attention_mask.bool()  # every real position's next-token distribution, as next_token_agreement
+        p, q = predicted["base"][real], predicted["model"][real]
+        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+        kl_sum += float((p.exp() * (p - q)).sum())
+        total += p.shape[0]
+    if progress:
+        progress("measuring fidelity", len(encoded), len(encoded))
+    cosine = cosine_stats(torch.cat(pooled["base"]), torch.cat(pooled["model"]))
+    return LanguageModelFidelity(cosine, agree / max(total, 1), kl_sum / max(total, 1))
+
+
+def _states_and_logits(model, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the base model's final states, the logits) of a ...ForCausalLM, from one forward pass."""
+    body = getattr(model, model.base_model_prefix)
+    seen = {}
+    handle = body.register_forward_hook(lambda module, args, output: seen.update(states=output[0]))
+    try:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    finally:
+        handle.remove()
+    return seen["states"], logits
+
+
 # What two checkpoints must share for their outputs to be compared: the width of the states, and the vocabulary
 # the next-token distributions range over.
 COMPARED_SIZES = ("hidden_size", "vocab_size")
@@ -149,23 +206,25 @@ def verify(model: str, against: str | None, texts: list[str], thresholds: dict[s
     check_same_shape(model, AutoConfig.from_pretrained(folder), against, config)
     causal = is_language_model(config.architectures)
     max_length = within_positions(config.to_dict(), max_length)
-    base = for_measuring(AutoModel.from_pretrained(base_folder)).to(device)
-    compressed = for_measuring(AutoModel.from_pretrained(folder)).to(device)
-    cos = cosine_stats(
-        sentence_embeddings(base, tokenizer, texts, max_length=max_length, progress=progress, what="embedding (base)",
-                            device=device),
-        sentence_embeddings(compressed, tokenizer, texts, max_length=max_length, progress=progress,
-                            what="embedding (compressed)", device=device),
-    )
+    if causal:  # one pass of each model gives the embeddings and the next-token figures
+        measured = compare_language_models(
+            for_measuring(AutoModelForCausalLM.from_pretrained(folder)).to(device),
+            for_measuring(AutoModelForCausalLM.from_pretrained(base_folder)).to(device),
+            tokenizer, texts, max_length, progress, device)
+        cos = measured.cosine
+    else:
+        base = for_measuring(AutoModel.from_pretrained(base_folder)).to(device)
+        compressed = for_measuring(AutoModel.from_pretrained(folder)).to(device)
+        cos = cosine_stats(
+            sentence_embeddings(base, tokenizer, texts, max_length=max_length, progress=progress,
+                                what="embedding (base)", device=device),
+            sentence_embeddings(compressed, tokenizer, texts, max_length=max_length, progress=progress,
+                                what="embedding (compressed)", device=device),
+        )
     result = VerifyResult(model, against, len(texts), cos.mean, cos.p01, cos.minimum,
                           worst_texts=worst_texts(cos, texts))
     if causal:
-        del base, compressed  # two models in memory at a time, not four
-        result.top1_agreement, result.kl_mean = next_token_agreement(
-            for_measuring(AutoModelForCausalLM.from_pretrained(folder)).to(device),
-            for_measuring(AutoModelForCausalLM.from_pretrained(base_folder)).to(device),
-            tokenizer, texts, max_length, progress, device,
-        )
+        result.top1_agreement, result.kl_mean = measured.top1_agreement, measured.kl_mean
     result.failures = gate_failures(result.to_dict(), thresholds or {})
     return result
 

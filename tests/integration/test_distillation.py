@@ -153,3 +153,25 @@ def test_the_command_line_refuses_distillation_without_calibration_in_one_line(t
     assert run.returncode != 0
     assert len(run.stderr.strip().splitlines()) == 1 and "--calibration" in run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_one_pass_of_each_language_model_gives_the_same_figures_as_separate_passes(tiny_llama, tmp_path):
+    """The fidelity check reads the embedding off the base model's final states while the head computes the logits:
+    the figures are those of the separate embedding and next-token passes."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    from collab_convert.integration.fidelity import compare_language_models, cosine_stats, sentence_embeddings
+
+    folder, _ = tiny_llama
+    compressed(tiny_llama, tmp_path / "fitted")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    texts = TEXTS[:9] + ["the a", "it"]  # lengths differ: padding must not count
+    found = compare_language_models(load_model(tmp_path / "fitted").eval(),
+                                    AutoModelForCausalLM.from_pretrained(folder).eval(), tokenizer, texts)
+    top1, kl = next_token_agreement(load_model(tmp_path / "fitted").eval(),
+                                    AutoModelForCausalLM.from_pretrained(folder).eval(), tokenizer, texts)
+    cosine = cosine_stats(sentence_embeddings(AutoModel.from_pretrained(folder), tokenizer, texts),
+                          sentence_embeddings(load_model(tmp_path / "fitted", AutoModel), tokenizer, texts))
+    assert found.top1_agreement == pytest.approx(top1) and found.kl_mean == pytest.approx(kl, rel=1e-5)
+    assert found.cosine.mean == pytest.approx(cosine.mean, abs=1e-6) and found.cosine.mean < 1 - 1e-4
+    assert [i for i, _ in found.cosine.worst] == [i for i, _ in cosine.worst]
