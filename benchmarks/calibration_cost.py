@@ -1,0 +1,111 @@
+"""What a calibrated run costs against its physical floor: one plain forward pass of the original over the same
+calibration tokens (issue 35), measured side by side in one run.
+
+    python benchmarks/calibration_cost.py [--model smollm2|minilm|FOLDER] [--budget "--key-cache 0.5"]
+        [--documents 300] [--max-length 128] [--extra "--distill-steps 0"] [--profile FILE.svg]
+
+1. The floor: the original loaded the way the CLI loads it (float32), the calibration texts tokenised and cut at
+   --max-length, and `model(**batch)` over them in batches of about 4096 padded tokens, under inference mode,
+   with the CLI's thread count. Timed past loading.
+2. The CLI as a user runs it: `collab-convert compress MODEL BUDGET --calibration FILE --calibration-samples N
+   --calibration-max-length L`, wall time, and from its report.json the time past imports and each stage's.
+Printed: every stage in seconds and as a multiple of the floor, and the whole run's multiple (target: at most
+2.0). --profile records the CLI run with py-spy (a flame graph), to see where a stage's time goes.
+
+Text: Brown documents of about 200 words (benchmarks/calibration_documents.py), the calibration side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from calibration_documents import chosen_documents  # noqa: E402
+
+MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "minilm": None}
+BATCH_TOKENS = 4096
+
+
+def floor_seconds(folder: Path, texts: list[str], max_length: int, threads: int | None) -> tuple[float, int]:
+    """(seconds of one plain forward pass over the texts, real tokens)."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    from collab_convert.integration.batches import right_padded
+    from collab_convert.integration.fidelity import is_language_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    auto = AutoModelForCausalLM if is_language_model(config.get("architectures")) else AutoModel
+    model = auto.from_pretrained(folder, dtype=torch.float32).eval()
+    encoded = sorted(tokenizer(texts, truncation=True, max_length=max_length)["input_ids"], key=len)
+    batches, start = [], 0
+    while start < len(encoded):
+        count = max(1, BATCH_TOKENS // len(encoded[min(start + 1, len(encoded) - 1)]))
+        batches.append(right_padded(encoded[start : start + count], tokenizer.pad_token_id or 0))
+        start += count
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for input_ids, attention_mask in batches:
+            model(input_ids=input_ids, attention_mask=attention_mask)
+    return time.perf_counter() - started, sum(len(ids) for ids in encoded)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--budget", default=None, help="compress's size flags (default: --key-cache 0.5 for a "
+                        "decoder, --rank 192 for MiniLM)")
+    parser.add_argument("--documents", type=int, default=300)
+    parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--extra", default="", help="more compress flags")
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy flame graph of the CLI run")
+    args = parser.parse_args()
+
+    from collab_convert.io.folders import DEFAULT_MODEL, resolve_model
+
+    name = MODELS.get(args.model, args.model) or DEFAULT_MODEL
+    folder = resolve_model(name)
+    budget = (args.budget or ("--rank 192" if args.model == "minilm" else "--key-cache 0.5")).split()
+    calibration, _ = chosen_documents(args.documents, 1)
+    with tempfile.TemporaryDirectory(prefix="collab-cost-") as scratch:
+        text = Path(scratch) / "calibration.txt"
+        text.write_text("\n".join(calibration) + "\n")
+        out = Path(scratch) / "out"
+        command = ["collab-convert", "compress", name, *budget, "--calibration", str(text), "--calibration-samples",
+                   str(len(calibration)), "--calibration-max-length", str(args.max_length), "-o", str(out), "-q",
+                   "--json", *args.extra.split()]
+        if args.profile:
+            command = [shutil.which("py-spy") or "py-spy", "record", "-o", str(args.profile), "--rate", "20",
+                       "--subprocesses", "--", *command]
+        started = time.perf_counter()
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        wall = time.perf_counter() - started
+        report = json.loads((out / "report.json").read_text())
+    threads = (report.get("threads") or {}).get("threads")
+    floor, tokens = floor_seconds(folder, calibration, args.max_length, threads)
+    print(f"{name}, {' '.join(budget)} {args.extra}; {len(calibration)} documents, {tokens:,} calibration tokens at "
+          f"{args.max_length}; {threads} threads")
+    print(f"one plain forward pass of the original over them: {floor:.1f} s")
+    print(f"{'stage':<28} {'seconds':>8} {'x forward pass':>15}")
+    for stage, seconds in report["stage_seconds"].items():
+        print(f"{stage:<28} {seconds:8.1f} {seconds / floor:15.2f}")
+    print(f"{'whole run past imports':<28} {report['seconds']:8.1f} {report['seconds'] / floor:15.2f}   "
+          f"(target 2.0; CLI wall time with imports {wall:.1f} s)")
+    print(json.dumps({"model": name, "budget": budget, "extra": args.extra, "tokens": tokens, "floor_seconds": floor,
+                      "run_seconds": report["seconds"], "wall_seconds": wall, "ratio": report["seconds"] / floor,
+                      "stage_seconds": report["stage_seconds"], "threads": threads}))
+
+
+if __name__ == "__main__":
+    main()
