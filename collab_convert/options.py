@@ -101,6 +101,10 @@ class _ModelInputs(BaseModel):
         "--key-cache, multi-query with --kv-cache, else collaborative.",
     )
 
+    threads: int | None = Field(
+        None, ge=1, description="CPU threads for the math (default: the cores idle when the run starts, so a busy "
+        "shared machine is not oversubscribed).",
+    )
     calibration: Path | None = Field(
         None,
         description="Text file (one example per line) or folder of .txt files: fit the logits on real inputs and "
@@ -200,10 +204,6 @@ class CompressOptions(_ModelInputs, FidelityGates):
     plots: bool = Field(True, description="Draw spectra.svg and errors.svg beside the reports (--no-plots skips "
                         "them).",
                         json_schema_extra={"flags": ["--plots/--no-plots"]})
-    threads: int | None = Field(
-        None, ge=1, description="CPU threads for the math (default: the cores idle when the run starts, so a busy "
-        "shared machine is not oversubscribed).",
-    )
     resume: bool = Field(False, description="Continue a run that was killed (SIGKILL, a crash) writing OUTPUT: "
                          "layers it finished are not fitted again; the result is byte-identical.")
 

@@ -82,3 +82,19 @@ def test_a_run_restores_torchs_threads_and_reports_its_own(tiny_bert, tmp_path):
     assert torch.get_num_threads() == before
     assert result.threads == {"threads": 1, "why": "asked for"}
     assert "CPU threads: 1 (asked for)" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_analyze_runs_its_math_on_the_idle_cores_as_compress_does(tiny_bert, monkeypatch):
+    """On a busy machine torch's default threads wait on each other: analyze took 72 s where compress took 15."""
+    from collab_convert import cpu
+    from collab_convert.analysis import analyze
+    from collab_convert.forms.collaborative import analysis
+
+    before, seen = torch.get_num_threads(), []
+    monkeypatch.setattr(cpu, "REUSE", -1.0)
+    monkeypatch.setattr(cpu, "idle_cores", lambda window=cpu.WINDOW: 1.1)
+    spectra = analysis.spectra
+    monkeypatch.setattr(analysis, "spectra", lambda products: seen.append(torch.get_num_threads()) or spectra(products))
+    analyze(str(tiny_bert), ranks=[8])
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == before
