@@ -165,11 +165,13 @@ class CompressOptions(_ModelInputs, FidelityGates):
     )
     refine_samples: int = Field(256, ge=1, description="With --calibration: sequences the refinement looks at.")
     # After every layer is fitted on its own: every layer's collaborative tensors tuned together on the model's
-    # own output (integration/distillation.py). Off by default: it loads the original and the result whole.
+    # own output (integration/distillation.py). Off by default: it loads the original and the result whole, and on
+    # encoders it costs several times the calibration for a small gain (docs/benchmarks.md, issue 34).
     distill_steps: int = Field(
-        0, ge=0, description="With --calibration, language models: then tune every layer's collaborative tensors "
-        "together, up to this many Adam steps (4 calibration texts each), so the next-token distributions match "
-        "the original's; the best state on held-out texts is kept. Loads both models whole. E.g. 100; 0: off.",
+        0, ge=0, description="With --calibration: then tune every layer's collaborative tensors together, up to "
+        "this many Adam steps, so the next-token distributions (language models; 4 texts a step) or the token "
+        "states and sentence embeddings (encoders; 16 texts a step) match the original's; the best state on "
+        "held-out texts is kept. Loads both models whole. E.g. 100; 0: off.",
     )
     # Encoders: calibration texts mixed to cover lengths and styles (calibration_mix.py), so the fit holds on text
     # unlike the calibration's own.
