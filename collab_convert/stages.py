@@ -148,7 +148,7 @@ def calibration_texts(options: CompressOptions) -> tuple[list[str], ProbeTexts]:
 def mixed_calibration(source: SourceModel, options: CompressOptions, texts: list[str]) -> tuple[list[str], str]:
     """(the texts an encoder is fitted on, what the mix was): --calibration-mix (calibration_mix.py). Language
     models take the texts as given: their calibration is about long contexts, not sentence embeddings."""
-    from .calibration_mix import mixed
+    from .io.calibration_mix import mixed
     from .integration.fidelity import is_language_model
     from .io.texts import read_texts
 

@@ -4,7 +4,7 @@ the user gave; language models take their texts as given."""
 import json
 
 from collab_convert import CompressOptions, compress
-from collab_convert.calibration_mix import mixed, sentences, windows
+from collab_convert.io.calibration_mix import mixed, sentences, windows
 
 DOCUMENT = " ".join(f"Sentence number {i} says something about the harbour." for i in range(60))
 
