@@ -46,7 +46,7 @@ def rope_frequencies(folder: Path) -> RopeFrequencies:
                             f"checkpoint's fixed frequency list cannot say; the shared-key form keeps it (--key-cache)")
     theta = float(parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
     maximum = int(getattr(config, "max_position_embeddings", 0) or 0)
-    original = int(parameters.get("original_max_position_embeddings") or maximum)
+    original = _position_count(parameters.get("original_max_position_embeddings"), maximum)
     if rope_type == "default":
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         short, factor = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
@@ -56,6 +56,15 @@ def rope_frequencies(folder: Path) -> RopeFrequencies:
         long = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=original + 1)[0] if rope_type == "longrope" \
             else short
     return RopeFrequencies(short.double(), long.double(), float(factor), theta, original)
+
+
+def _position_count(value, fallback: int) -> int:
+    """A RoPE field's position count: a positive whole number, or `fallback` where the field says none (the RoPE types
+    that read it fail in transformers' own set-up on anything else, which the config check refuses first; the
+    others ignore it, as transformers does)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value <= 0:
+        return fallback
+    return int(value) if float(value).is_integer() else fallback
 
 
 def stock_rope_parameters(rope: RopeFrequencies, pair_frequencies: torch.Tensor) -> dict:
