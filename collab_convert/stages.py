@@ -153,11 +153,13 @@ def mixed_calibration(source: SourceModel, options: CompressOptions, texts: list
     from .io.texts import read_texts
 
     mix = "as-given" if options.calibration_mix == "auto" else options.calibration_mix
+    note = ""
     if is_language_model(source.config.get("architectures")):
+        note = " (a language model takes its lines as given)" if mix != "as-given" else ""
         mix = "as-given"
     built_in = read_texts(BUILT_IN_TEXT) if mix == "lengths+built-in" else None
     found = mixed(texts, options.calibration_max_length, mix, built_in)
-    return found.texts, f"{options.calibration_mix}: {found.description}"
+    return found.texts, f"{options.calibration_mix}: {found.description}{note}"
 
 
 def distill_checkpoint(source: SourceModel, folder: Path, texts: list[str], options: CompressOptions,

@@ -51,3 +51,16 @@ def test_compress_records_the_mix_for_an_encoder(tiny_bert, tmp_path):
                                                       refine_steps=0))
     assert result.calibration["mix"].startswith("lengths: 6 texts as given")
     assert "single sentences" in json.loads((tmp_path / "out" / "report.json").read_text())["calibration"]["mix"]
+
+
+def test_a_language_model_takes_its_lines_as_given_and_the_report_says_so(tmp_path):
+    from collab_convert.stages import mixed_calibration
+
+    class Source:
+        config = {"architectures": ["LlamaForCausalLM"]}
+
+    texts = [DOCUMENT, "Short line. Another one."]
+    found, description = mixed_calibration(Source(), CompressOptions(rank=4, output=tmp_path / "out",
+                                                                      calibration_mix="lengths"), texts)
+    assert found == texts
+    assert description == "lengths: the texts as given (a language model takes its lines as given)"
