@@ -68,16 +68,8 @@ class NextTokens:
     objective = "KL of the next-token distributions against the original's, every layer together"
     measure = "next-token KL, nats per token"
     batch_sequences, relative_step, held_out_max = BATCH_SEQUENCES, RELATIVE_STEP, HELD_OUT_MAX
+    auto_class = "AutoModelForCausalLM"  # what the student and the teacher load as
 
-    @staticmethod
-    def load(folder: Path, ours: bool):
-        from transformers import AutoModelForCausalLM
-
-        from .loading import load_model
-
-        if ours:
-            return load_model(folder, AutoModelForCausalLM, dtype=torch.float32)
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
     @staticmethod
     def losses(teacher, student, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -102,31 +94,23 @@ class Embeddings:
     # scored (benchmarks/cross_domain.py).
     batch_sequences, relative_step = 16, 3e-4
     held_out_max = 64  # an embedding is cheap to score: a steadier choice of the best state
+    auto_class = "AutoModel"
 
-    @staticmethod
-    def load(folder: Path, ours: bool):
-        from transformers import AutoModel
-
-        from .loading import load_model
-
-        if ours:
-            return load_model(folder, AutoModel, dtype=torch.float32)
-        return AutoModel.from_pretrained(folder, dtype=torch.float32)
 
     @staticmethod
     def losses(teacher, student, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor, int]:
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if getattr(teacher.config, "is_encoder_decoder", False):  # the decoder reads the text too, as in fidelity
-            batch.update(decoder_input_ids=input_ids, decoder_attention_mask=attention_mask)
+        from .fidelity import mean_pooled, text_inputs
+
+        batch = text_inputs(teacher.config, {"input_ids": input_ids, "attention_mask": attention_mask})
         with torch.no_grad():
             target = teacher(**batch).last_hidden_state.float()
         states = student(**batch).last_hidden_state.float()
-        mask = attention_mask.unsqueeze(-1).to(states.dtype)
-        tokens = mask.sum(1).clamp_min(1.0)
-        token_loss = ((1 - torch.nn.functional.cosine_similarity(states, target, dim=-1)) * mask[..., 0]).sum(1)
-        pooled_loss = 1 - torch.nn.functional.cosine_similarity((states * mask).sum(1) / tokens,
-                                                                (target * mask).sum(1) / tokens, dim=-1)
-        return (token_loss / tokens[:, 0] + pooled_loss).sum(), pooled_loss.detach().sum(), input_ids.shape[0]
+        real = attention_mask.to(states.dtype)
+        token_loss = ((1 - torch.nn.functional.cosine_similarity(states, target, dim=-1)) * real).sum(1)
+        pooled_loss = 1 - torch.nn.functional.cosine_similarity(mean_pooled(states, attention_mask),
+                                                                mean_pooled(target, attention_mask), dim=-1)
+        tokens = real.sum(1).clamp_min(1.0)
+        return (token_loss / tokens + pooled_loss).sum(), pooled_loss.detach().sum(), input_ids.shape[0]
 
 
 def objective_for(architectures: list[str] | None):
@@ -146,8 +130,8 @@ def distill(original: Path, result: Path, texts: list[str], max_length: int, ste
 
     started = time.perf_counter()
     tokenizer = load_tokenizer(original, "distillation")
-    teacher = for_measuring(objective.load(original, ours=False)).to(device)
-    student = for_measuring(objective.load(result, ours=True)).to(device)
+    teacher = for_measuring(_loaded(objective, original, ours=False)).to(device)
+    student = for_measuring(_loaded(objective, result, ours=True)).to(device)
     tuned = _tunable(student, names)
     training, held_out = _split(tokenizer(texts, truncation=True, max_length=max_length)["input_ids"],
                                 objective.held_out_max)
@@ -189,6 +173,18 @@ def distill(original: Path, result: Path, texts: list[str], max_length: int, ste
     report = Distillation(objective.objective, objective.measure, step, best_step, before, best, len(training),
                           len(held_out), sum(p.numel() for p in tuned.values()), time.perf_counter() - started)
     return best_state, report
+
+
+def _loaded(objective, folder: Path, ours: bool):
+    """The model in `folder` as the objective's auto class, in float32; ours (the result) through our loader."""
+    import transformers
+
+    from .loading import load_model
+
+    auto_class = getattr(transformers, objective.auto_class)
+    if ours:
+        return load_model(folder, auto_class, dtype=torch.float32)
+    return auto_class.from_pretrained(folder, dtype=torch.float32)
 
 
 def _split(encoded: list[list[int]], most: int = HELD_OUT_MAX) -> tuple[list[list[int]], list[list[int]]]:

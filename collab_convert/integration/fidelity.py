@@ -29,17 +29,26 @@ def sentence_embeddings(model, tokenizer, texts: list[str], batch_size: int = 64
             max_length=max_length,
             return_tensors="pt",
         )
-        if getattr(model.config, "is_encoder_decoder", False):  # the decoder reads the text too, as in calibration
-            batch = {**batch, "decoder_input_ids": batch["input_ids"],
-                     "decoder_attention_mask": batch["attention_mask"]}
-        batch = moved(dict(batch), device)
-        hidden = model(**batch).last_hidden_state.float()
-        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+        batch = moved(text_inputs(model.config, dict(batch)), device)
+        pooled = mean_pooled(model(**batch).last_hidden_state, batch["attention_mask"])
         chunks.append(torch.nn.functional.normalize(pooled, dim=-1).to(HOST))
     if progress:
         progress(what, len(texts), len(texts))
     return torch.cat(chunks)
+
+
+def text_inputs(config, batch: dict) -> dict:
+    """A tokenised batch as the model takes it: an encoder-decoder's decoder reads the text too, as in calibration."""
+    if getattr(config, "is_encoder_decoder", False):
+        return {**batch, "decoder_input_ids": batch["input_ids"], "decoder_attention_mask": batch["attention_mask"]}
+    return batch
+
+
+def mean_pooled(states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The mean of each sequence's final states over its real tokens (in float32): the sentence embedding before
+    normalising (the sentence-transformers recipe)."""
+    mask = attention_mask.unsqueeze(-1).float()
+    return (states.float() * mask).sum(1) / mask.sum(1).clamp_min(1.0)
 
 
 @dataclass
@@ -83,33 +92,6 @@ def is_language_model(architectures: list[str] | None) -> bool:
 LOGIT_BYTES = 16 << 20  # a batch's float32 logits: a 50k vocabulary at 128 tokens is 26 MB a text (then one at a time)
 
 
-@torch.no_grad()
-def next_token_agreement(model, base, tokenizer, texts: list[str], max_length: int = 128,
-                         progress=None, device: Device = HOST) -> tuple[float, float]:
-    """Top-1 agreement and mean KL(base || model) of next-token distributions over every real token of `texts`.
-    Texts run in right-padded batches (a causal model's real positions never see the padding after them), as
-    many as keep one batch's logits within LOGIT_BYTES. Both models run on `device`."""
-    from .batches import right_padded
-
-    encoded = [ids for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"] if len(ids) >= 2]
-    longest = max((len(ids) for ids in encoded), default=1)
-    batch_size = max(1, LOGIT_BYTES // (4 * longest * base.config.get_text_config().vocab_size))
-    agree, total, kl_sum = 0, 0, 0.0
-    for start in range(0, len(encoded), batch_size):
-        if progress:
-            progress("next-token agreement", start, len(encoded))
-        input_ids, attention_mask = moved(right_padded(encoded[start : start + batch_size]), device)
-        real = attention_mask.bool()
-        p = torch.log_softmax(base(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)[real]
-        q = torch.log_softmax(model(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)[real]
-        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
-        kl_sum += float((p.exp() * (p - q)).sum())
-        total += p.shape[0]
-    if progress:
-        progress("next-token agreement", len(encoded), len(encoded))
-    return agree / max(total, 1), kl_sum / max(total, 1)
-
-
 @dataclass
 class LanguageModelFidelity:
     cosine: CosineStats  # sentence embeddings (mean-pooled final states of the base model)
@@ -137,14 +119,13 @@ def compare_language_models(model, base, tokenizer, texts: list[str], max_length
             progress("measuring fidelity", start, len(encoded))
         chosen = [ids or [pad] for ids in encoded[start : start + batch_size]]
         input_ids, attention_mask = moved(right_padded(chosen, pad), device)
-        mask = attention_mask.unsqueeze(-1).float()
         predicted = {}
         for name, which in (("base", base), ("model", model)):
             states, logits = _states_and_logits(which, input_ids, attention_mask)
-            embedding = (states.float() * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+            embedding = mean_pooled(states, attention_mask)
             pooled[name].append(torch.nn.functional.normalize(embedding, dim=-1).to(HOST))
             predicted[name] = torch.log_softmax(logits.float(), -1)
-        real = attention_mask.bool()  # every real position's next-token distribution, as next_token_agreement
+        real = attention_mask.bool()  # every real position's next-token distribution
         p, q = predicted["base"][real], predicted["model"][real]
         agree += int((p.argmax(-1) == q.argmax(-1)).sum())
         kl_sum += float((p.exp() * (p - q)).sum())
