@@ -38,21 +38,29 @@ from neighbour import busy_neighbour  # noqa: E402
 WORDS_PER_DOCUMENT = 200
 
 
-def documents(words_per_document: int = WORDS_PER_DOCUMENT) -> tuple[list[str], list[str]]:
-    """(calibration documents, held-out documents), split by Brown text."""
-    by_text = defaultdict(list)
+def document_runs(words_per_document: int = WORDS_PER_DOCUMENT) -> list[tuple[str, str, int]]:
+    """(text, genre, index of its Brown text) for every run of consecutive sentences of one Brown text of about
+    `words_per_document` words."""
+    by_text, genres = defaultdict(list), {}
     for sentence in brown.sentences():
         by_text[sentence.document].append(sentence.text)
-    calibration, held_out = [], []
+        genres[sentence.document] = sentence.genre
+    found = []
     for index, (name, sentences) in enumerate(sorted(by_text.items())):
         chunk, words = [], 0
         for text in sentences:
             chunk.append(text)
             words += len(text.split())
             if words >= words_per_document:
-                (held_out if index % 4 == 3 else calibration).append(" ".join(chunk))
+                found.append((" ".join(chunk), genres[name], index))
                 chunk, words = [], 0
-    return calibration, held_out
+    return found
+
+
+def documents(words_per_document: int = WORDS_PER_DOCUMENT) -> tuple[list[str], list[str]]:
+    """(calibration documents, held-out documents), split by Brown text."""
+    runs = document_runs(words_per_document)
+    return [text for text, _, index in runs if index % 4 != 3], [text for text, _, index in runs if index % 4 == 3]
 
 
 def chosen_documents(count: int, evaluate: int) -> tuple[list[str], list[str]]:

@@ -29,36 +29,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import brown  # noqa: E402
+from calibration_documents import document_runs  # noqa: E402
 from neighbour import busy_neighbour  # noqa: E402
 
 WORDS_PER_DOCUMENT = 200
 FICTION = {"fiction", "mystery", "science_fiction", "adventure", "romance", "humor"}
 SHORT_LINES = Path(__file__).resolve().parent / "texts" / "short_lines.txt"
-
-
-def documents() -> list[tuple[str, str, int]]:
-    """(text, genre, index of its Brown text) for every run of about WORDS_PER_DOCUMENT words of one Brown text."""
-    by_text = defaultdict(list)
-    genres = {}
-    for sentence in brown.sentences():
-        by_text[sentence.document].append(sentence.text)
-        genres[sentence.document] = sentence.genre
-    found = []
-    for index, (name, sentences) in enumerate(sorted(by_text.items())):
-        chunk, words = [], 0
-        for text in sentences:
-            chunk.append(text)
-            words += len(text.split())
-            if words >= WORDS_PER_DOCUMENT:
-                found.append((" ".join(chunk), genres[name], index))
-                chunk, words = [], 0
-    return found
 
 
 def spread(items: list, count: int) -> list:
@@ -89,7 +69,7 @@ def run(args) -> None:
     from collab_convert.integration.fidelity import cosine_stats, sentence_embeddings
     from collab_convert.io.folders import DEFAULT_MODEL, resolve_model
 
-    every = documents()
+    every = document_runs(WORDS_PER_DOCUMENT)
     news = [d for d in every if d[1] == "news"]
     calibration = spread([d[0] for d in news if d[2] % 4 != 3], args.documents)
     scored = {
