@@ -255,7 +255,7 @@ def run(args) -> None:
         figures = llama_cpp_figures(args, work, folder, full, sequences, base_predictions, tokenizer, held_out)
         (work / "serving_smollm2_llama_cpp.json").write_text(json.dumps(figures, indent=2) + "\n")
         return
-    compress(["--kv-cache", "1.0"], full)
+    compress(["--kv-cache", "1.0", "--dtype", "f32"], full)  # float32, as dequantised: exact
     rows["full width"] = exactness(folder, full, tokenizer, held_out[0])
     for share in [float(s) for s in args.shares.split(",")]:
         rows.update(compare_at(share, work, calibrated, sequences, base, base_bytes, calibration))

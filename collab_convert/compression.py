@@ -18,11 +18,12 @@ import torch
 
 from .architectures.source import SourceModel, open_model
 from .forms import Form, FormPlan, form_named
-from .io.folders import StagedOutput, copy_non_weight_files, weights_on_disk
+from .io.folders import StagedOutput, copy_non_weight_files, record_dtype, weights_on_disk
 from .options import CompressOptions, gate_failures
 from .progress import Progress, StageClock, no_progress
 from .results import CompressPlan, CompressResult
 from .resume import FinishedLayers
+from .streaming import DTYPE_NAMES, written_dtype
 from .stages import (calibration_texts, check_plan, decoder_calibration, distill_checkpoint, mixed_calibration,
                      within_positions)
 
@@ -93,6 +94,9 @@ def _stages(source: SourceModel, form: Form, form_plan: FormPlan, options: Compr
         rank_choice=size_choice, threads=threads, warnings=[warning] if warning else [],
     )
     form.write_record(source, reports, staged.folder, options, statistics)
+    written = written_dtype(source, options.dtype)
+    if written is not None:  # the weights were written in one precision: transformers loads them in it
+        record_dtype(staged.folder, written)
     if options.distill_steps:  # checked with the plan: calibration texts and a language model are there
         result.distillation = distill_checkpoint(source, staged.folder, fitted, options, progress,
                                                  form.tuned_tensors(source, reports))
@@ -107,6 +111,8 @@ def _stages(source: SourceModel, form: Form, form_plan: FormPlan, options: Compr
     if options.timing:
         result.runtime = _timed(source, staged.folder, progress)
     result.disk = weights_on_disk(source.folder, staged.folder)
+    if written is not None:
+        result.disk.update(written_dtype=DTYPE_NAMES[written], dtype_asked=options.dtype != "auto")
     progress("writing reports and plots", 0, 1)
     files += ["config.json"] + _write_reports(result, form, source, staged.folder, started, options.plots, progress)
     progress("writing reports and plots", 1, 1)

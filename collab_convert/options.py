@@ -196,6 +196,12 @@ class CompressOptions(_ModelInputs, FidelityGates):
     max_shard_size: int | str = Field(
         "5GB", description="Largest safetensors shard, e.g. 500MB.", json_schema_extra={"cli_type": str}
     )
+    # The dequantiser of a GGUF input works in float32; the output goes back to the file's own precision.
+    dtype: Literal["auto", "f32", "f16", "bf16"] = Field(
+        "auto", description="Precision the output's weights are written in. auto: the input's own (each tensor as "
+        "stored; a GGUF input: the precision the file stored its weight matrices in, f16 for quantised ones, "
+        "rather than the float32 it was dequantised to); f32, f16, bf16: every floating tensor in that one.",
+    )
     method: str = Field(
         DEFAULT_METHOD, description=" or ".join(f"{name} ({m.description.split(':')[0]})" for name, m in METHODS.items()) + "."
     )

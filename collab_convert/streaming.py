@@ -13,7 +13,8 @@ from .architectures.layouts import AttentionLayer
 from .architectures.source import SourceModel
 from .format import load_guard
 from .io.headers import TensorSpec
-from .io.writer import Passed, ShardWriter
+from .io.writer import Passed, ShardWriter, parse_size
+from .options import CompressOptions
 from .progress import DETAIL, Progress, no_progress
 from .resume import FinishedLayers
 from .results import LayerReport
@@ -36,13 +37,47 @@ def unchanged(name: str, spec: TensorSpec) -> list[Passed]:
     return [Passed(name)]
 
 
-def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progress: Progress,
+# --dtype: the precision every floating tensor is written in
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def written_dtype(source: SourceModel, requested: str) -> torch.dtype | None:
+    """The precision the output's floating tensors are written in: `requested` (options.dtype), where "auto" keeps
+    each tensor's own, except that a folder dequantised from a GGUF file goes back to the precision the file
+    stored its weights in (float32 there is only the dequantiser's working precision). None: as stored."""
+    from .io.gguf import source_precision
+
+    if requested == "auto":
+        requested = source_precision(source.folder)
+    return DTYPES[requested] if requested else None
+
+
+class Cast:
+    """Floating tensors (and their specs) in one precision; None leaves each as it is."""
+
+    def __init__(self, dtype: torch.dtype | None):
+        self.dtype = dtype
+
+    def changes(self, spec: TensorSpec) -> bool:
+        return self.dtype is not None and spec.dtype.is_floating_point and spec.dtype != self.dtype
+
+    def spec(self, spec: TensorSpec) -> TensorSpec:
+        return TensorSpec(spec.name, self.dtype, spec.shape) if self.changes(spec) else spec
+
+    def tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        changed = self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype
+        return tensor.to(self.dtype) if changed else tensor
+
+
+def stream_weights(source: SourceModel, folder: Path, options: CompressOptions, progress: Progress,
                    layer_specs: Callable[[AttentionLayer], list[TensorSpec]], fit: LayerFitter,
                    finished: FinishedLayers | None = None, workers: int = 0,
                    passing: Callable[[str, TensorSpec], list[Passed]] = unchanged, guarded: bool = False):
     """Stream every tensor to the output in input order; at each attention layer, fit it and write its new
     tensors in place of the ones they replace. Every output tensor's name, dtype and shape is known
-    (layer_specs) before anything is computed.
+    (layer_specs) before anything is computed. Shards hold at most options.max_shard_size bytes; floating
+    tensors are written in options.dtype (written_dtype).
 
     workers = 0 fits each layer where it streams past, with torch's threads. workers >= 1 fits up to that many
     layers ahead of the writer in worker threads while the writer copies tensors through: reading, the math
@@ -51,6 +86,7 @@ def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progr
     threads rounds differently from one summed by one). `passing` says how each tensor that is not replaced is
     written (unchanged, by default). `guarded` writes each layer's load guard (format.load_guard) after its
     tensors: forms that load only through our quantizer."""
+    cast = Cast(written_dtype(source, options.dtype))
     by_anchor = {layer.anchor: layer for layer in source.layers}
     replaced = {name for layer in source.layers for name in layer.replaced}
     guards = {layer.prefix: load_guard(layer.replaced, source.reader.spec(layer.anchor).dtype) if guarded else None
@@ -63,7 +99,7 @@ def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progr
         if name not in replaced:
             spec = source.reader.spec(name)
             specs += [part.spec(spec) for part in passing(name, spec)]
-    writer = ShardWriter(folder, specs, max_shard_size)
+    writer = ShardWriter(folder, [cast.spec(spec) for spec in specs], parse_size(options.max_shard_size))
     reader, reports = source.reader, []
     names = reader.names()
     labels = layer_labels(source)
@@ -80,13 +116,13 @@ def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progr
                 reports.append(report)
                 progress("writing", index, len(names))
                 for new_name, tensor in tensors.items():
-                    writer.add(new_name, tensor)
+                    writer.add(new_name, cast.tensor(tensor))
                 if guards[layer.prefix]:
-                    writer.add(guards[layer.prefix].name, torch.empty(0, dtype=guards[layer.prefix].dtype))
+                    writer.add(guards[layer.prefix].name, cast.tensor(torch.empty(0, dtype=guards[layer.prefix].dtype)))
             elif index % 16 == 0:
                 progress("writing", index, len(names))
             if name not in replaced:
-                _pass_through(reader, writer, name, passing(name, reader.spec(name)))
+                _pass_through(reader, writer, name, passing(name, reader.spec(name)), cast)
     finally:
         ahead.close()
     progress("writing", len(names), len(names))
@@ -96,12 +132,13 @@ def stream_weights(source: SourceModel, folder: Path, max_shard_size: int, progr
     return sorted(reports, key=lambda report: order[report.name]), files
 
 
-def _pass_through(reader, writer: ShardWriter, name: str, parts: list[Passed]) -> None:
-    """Copy a tensor (or rows of it) unchanged: its bytes where the input is safetensors, never loading it whole."""
+def _pass_through(reader, writer: ShardWriter, name: str, parts: list[Passed], cast: Cast) -> None:
+    """Copy a tensor (or rows of it) unchanged: its bytes where the input is safetensors and the precision stays,
+    never loading it whole; else its values, cast."""
     spec, location = reader.spec(name), reader.byte_range(name)
     for part in parts:
-        if location is None:
-            writer.add(part.name, reader.get(name)[part.start:part.stop])
+        if location is None or cast.changes(spec):
+            writer.add(part.name, cast.tensor(reader.get(name)[part.start:part.stop]))
             continue
         file, start, end = location
         row = (end - start) // spec.shape[0] if spec.shape and spec.shape[0] else 0

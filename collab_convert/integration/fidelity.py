@@ -187,15 +187,18 @@ def verify(model: str, against: str | None, texts: list[str], thresholds: dict[s
     check_same_shape(model, AutoConfig.from_pretrained(folder), against, config)
     causal = is_language_model(config.architectures)
     max_length = within_positions(config.to_dict(), max_length)
+    # On a CPU both run in float32 whatever they store (compress --dtype f16, a bf16 original): the figures then
+    # measure the weights, not half-precision arithmetic (which CPUs also run several times slower).
+    dtype = torch.float32 if str(device).startswith("cpu") else "auto"
     if causal:  # one pass of each model gives the embeddings and the next-token figures
         measured = compare_language_models(
-            for_measuring(AutoModelForCausalLM.from_pretrained(folder)).to(device),
-            for_measuring(AutoModelForCausalLM.from_pretrained(base_folder)).to(device),
+            for_measuring(AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)).to(device),
+            for_measuring(AutoModelForCausalLM.from_pretrained(base_folder, dtype=dtype)).to(device),
             tokenizer, texts, max_length, progress, device)
         cos = measured.cosine
     else:
-        base = for_measuring(AutoModel.from_pretrained(base_folder)).to(device)
-        compressed = for_measuring(AutoModel.from_pretrained(folder)).to(device)
+        base = for_measuring(AutoModel.from_pretrained(base_folder, dtype=dtype)).to(device)
+        compressed = for_measuring(AutoModel.from_pretrained(folder, dtype=dtype)).to(device)
         cos = cosine_stats(
             sentence_embeddings(base, tokenizer, texts, max_length=max_length, progress=progress,
                                 what="embedding (base)", device=device),

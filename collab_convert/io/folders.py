@@ -255,6 +255,15 @@ class StagedOutput:
                                         "changed") from None
 
 
+def record_dtype(folder: Path, dtype) -> None:
+    """config.json names the precision its weights are in (`dtype`, transformers 5's key; dtype="auto" loads it)."""
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config.pop("torch_dtype", None)  # transformers 4's name for the same
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
 

@@ -87,7 +87,37 @@ def _convert(path: Path, target: Path) -> None:
     target.mkdir()
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
-    (target / SOURCE_NOTE).write_text(json.dumps({"gguf": str(path)}) + "\n", encoding="utf-8")
+    note = {"gguf": str(path), "precision": stored_precision(path)}
+    (target / SOURCE_NOTE).write_text(json.dumps(note) + "\n", encoding="utf-8")
+
+
+# GGUF tensor types by the float precision that holds their values: quantised blocks scale by f16 numbers
+QUANTISED_AS = "f16"
+FLOAT_TYPES = {"F32": "f32", "F64": "f32", "BF16": "bf16", "F16": "f16"}
+WIDTH = {"f16": 0, "bf16": 1, "f32": 2}  # which of two precisions holds the other's values (bf16: its range)
+
+
+def stored_precision(path: Path) -> str:
+    """The float precision a GGUF file stores its weight matrices in: the widest among them, a quantised type
+    counting as f16 (its block scales are f16). Vectors (norms, biases) are F32 in every GGUF and do not count."""
+    from gguf import GGUFReader
+
+    found = {FLOAT_TYPES.get(tensor.tensor_type.name, QUANTISED_AS)
+             for tensor in GGUFReader(path).tensors if len(tensor.shape) >= 2}
+    return max(found, key=WIDTH.__getitem__) if found else "f32"
+
+
+def source_precision(folder: Path) -> str | None:
+    """For a folder dequantised from a GGUF file: the precision that file stored its weights in (f16, bf16 or
+    f32). None for any other folder, or where the file can no longer be read."""
+    note = Path(folder) / SOURCE_NOTE
+    if not note.is_file():
+        return None
+    try:
+        recorded = json.loads(note.read_text(encoding="utf-8"))
+        return recorded.get("precision") or stored_precision(Path(recorded["gguf"]))
+    except Exception:  # noqa: BLE001 - a note of an older cache whose file moved: nothing known
+        return None
 
 
 def source_of(folder: Path) -> str | None:

@@ -41,9 +41,15 @@ def cost_lines(result: "CompressResult", form) -> list[str]:
 def disk_line(disk: dict) -> str:
     """The whole model's weights on disk, before and after: what a user who wants a smaller file sees."""
     line = f"- weights on disk: {megabytes(disk['input_bytes'])} -> {megabytes(disk['output_bytes'])}"
+    written = disk.get("written_dtype")
     if disk.get("input_gguf_bytes"):
-        line += (f" (the input was a {megabytes(disk['input_gguf_bytes'])} GGUF file, dequantised to compress it: "
-                 "the output keeps the dequantised precision)")
+        line += f" (the input was a {megabytes(disk['input_gguf_bytes'])} GGUF file, dequantised to compress it; "
+        if written and written != "f32" and not disk.get("dtype_asked"):
+            line += f"written in {written}, the precision the file stores its weights in; --dtype f32 keeps float32)"
+        else:
+            line += f"written in {written or 'f32'})"
+    elif written and disk.get("dtype_asked"):
+        line += f" (written in {written}, as --dtype asked)"
     return line
 
 

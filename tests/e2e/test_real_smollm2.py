@@ -37,7 +37,8 @@ def cache_shapes(model, ids):
 
 
 def test_full_key_budget_is_exact_and_generates_identically(original, prompt, tmp_path):
-    compress(MODEL, CompressOptions(key_cache=1.0, output=tmp_path / "full", weight_only=True))
+    # in float32, as dequantised: exact (the default writes f16, the precision the GGUF stores its weights in)
+    compress(MODEL, CompressOptions(key_cache=1.0, output=tmp_path / "full", weight_only=True, dtype="f32"))
     shared = load_model(tmp_path / "full").eval()
     with torch.no_grad():
         difference = (shared(prompt).logits - original(prompt).logits).abs().max().item()
@@ -48,7 +49,10 @@ def test_full_key_budget_is_exact_and_generates_identically(original, prompt, tm
 
 def test_half_key_budget_caches_half_the_keys(original, prompt, tmp_path):
     result = compress(MODEL, CompressOptions(key_cache=0.5, output=tmp_path / "half", weight_only=True))
+    assert result.disk["written_dtype"] == "f16"  # a Q4_1 GGUF: its blocks scale by f16 numbers
+    assert result.disk["output_bytes"] < 0.55 * result.disk["input_bytes"]  # against the dequantised float32
     shared = load_model(tmp_path / "half").eval()
+    assert shared.dtype == torch.float16
     before, after = cache_shapes(original, prompt), cache_shapes(shared, prompt)
     assert [values for _, values in after] == [values for _, values in before]
     key_numbers = sum(keys[1] * keys[3] for keys, _ in after)
@@ -60,7 +64,7 @@ def test_calibration_keeps_next_tokens_at_half_the_key_cache(original, folder, t
     texts.write_text("\n".join(SENTENCES[:24]) + "\n")
     compress(MODEL, CompressOptions(key_cache=0.5, output=tmp_path / "calibrated", calibration=texts,
                                     refine_steps=60))
-    shared = load_model(tmp_path / "calibrated").eval()
+    shared = load_model(tmp_path / "calibrated", dtype=torch.float32).eval()
     held_out = AutoTokenizer.from_pretrained(folder)(" ".join(SENTENCES[24:]), return_tensors="pt")["input_ids"]
     with torch.no_grad():
         agreement = (shared(held_out).logits.argmax(-1) == original(held_out).logits.argmax(-1)).float().mean()

@@ -40,6 +40,15 @@ def test_a_compressed_encoder_runs_in_onnxruntime_as_in_pytorch(tiny_bert, tmp_p
     assert (ours - theirs)[real].abs().max() < 1e-4
 
 
+def test_a_half_precision_checkpoint_exports_as_a_float32_graph(tiny_bert, tmp_path):
+    from collab_convert.exporting import export
+    from collab_convert.options import ExportOptions
+
+    compress(str(tiny_bert), CompressOptions(rank=8, output=tmp_path / "compressed", dtype="f16"))
+    result = export(str(tmp_path / "compressed"), ExportOptions(output=tmp_path / "onnx"))
+    assert result.max_abs_difference <= 1e-4  # float16 arithmetic in both differed by 4e-3
+
+
 def _decoder(kind: str, folder):
     import transformers as T
 

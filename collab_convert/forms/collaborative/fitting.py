@@ -17,7 +17,6 @@ from ...decompose.products import content_bias, relative_error
 from ...format import CONTENT_BIAS, FormatConfig, HeadCounts, collaborative_tensors, write_config
 from ...io.headers import TensorSpec
 from ...io.spill import SpillFolder
-from ...io.writer import parse_size
 from ...options import CompressOptions
 from ...progress import DETAIL, Progress
 from ...resume import FinishedLayers
@@ -69,7 +68,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
         tensors.update(projections.kept)
         return layer_report(layer, rank, layer_fit, refinement, time.perf_counter() - started, keeps_bias), tensors
 
-    return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished,
+    return stream_weights(source, folder, options, progress, specs, fit, finished,
                           workers=0 if steps else fit_workers(), guarded=True)
 
 

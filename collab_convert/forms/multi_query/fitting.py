@@ -21,7 +21,6 @@ from ...decompose.costs import attention_cost
 from ...decompose.rotary_ops import query_basis_matrix
 from ...decompose.shared_key import KeyRanks, KeySpectrum, allocate, fit_shared_key, key_spectrum, slot_frequencies
 from ...decompose.value_latent import fit_value_latent, head_up_projections, output_metric
-from ...io.writer import parse_size
 from ...options import CompressOptions
 from ...progress import DETAIL, Progress
 from ...results import MultiQueryLayerReport, rounded
@@ -56,7 +55,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
         return _fit_layer(source, layer, width, profile, record, options)
 
     # one layer at a time: refinement holds calibration samples, and the fits are small beside it
-    return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished,
+    return stream_weights(source, folder, options, progress, specs, fit, finished,
                           passing=source.layout.passing)
 
 

@@ -28,7 +28,6 @@ from ...format import (
     HeadCounts,
     write_config,
 )
-from ...io.writer import parse_size
 from ...options import CompressOptions
 from ...progress import DETAIL, Progress
 from ...results import SharedKeyLayerReport, rounded
@@ -127,7 +126,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
         return _fit_layer(source, layer, ranks[layer.prefix], layer_statistics, normed, calibration, options)
 
     refined = bool(calibrations and options.refine_steps)  # refinement holds calibration samples: one layer at a time
-    return stream_weights(source, folder, parse_size(options.max_shard_size), progress, specs, fit, finished,
+    return stream_weights(source, folder, options, progress, specs, fit, finished,
                           workers=0 if refined else fit_workers(), guarded=True)
 
 
