@@ -13,11 +13,12 @@ from .results import AnalysisResult
 from .stages import check_device, within_positions
 
 
-def analyze(model: str, ranks: list[int] | None = None, progress: Progress = no_progress,
-            options: AnalyzeOptions | None = None) -> AnalysisResult:
+def analyze(model: str, options: AnalyzeOptions | None = None, progress: Progress = no_progress, *,
+            ranks: list[int] | None = None) -> AnalysisResult:
     """Spectra and energy ranks of every attention layer's query/key block, costs at candidate sizes, and the
     error a fit at each gives. In the CP form, with calibration text, the logit error and the embedding cosine
-    measured on held-out lines; with a target cosine, the smallest rank that reaches it."""
+    measured on held-out lines; with a target cosine, the smallest rank that reaches it. Called as compress is:
+    analyze(MODEL, AnalyzeOptions(...)); `ranks` alone is a shorthand for AnalyzeOptions(ranks=ranks)."""
     from .cpu import math_threads
 
     options = options or AnalyzeOptions(ranks=ranks)

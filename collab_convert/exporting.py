@@ -9,6 +9,8 @@ GGUF:  a stock llama-family checkpoint's tensors to llama.cpp's names and layout
 
 from __future__ import annotations
 
+import copy
+
 import json
 import re
 import shutil
@@ -128,7 +130,7 @@ def _inputs(folder: Path, wrapper):
     from .integration.loading import load_tokenizer
     from .predict import default_probe
 
-    tokenizer = load_tokenizer(folder, "export (to check its result)")
+    tokenizer = copy.deepcopy(load_tokenizer(folder, "export (to check its result)"))  # shared: a pad token for us
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     texts = default_probe().texts

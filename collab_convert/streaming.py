@@ -30,6 +30,35 @@ def fit_workers() -> int:
     return max(1, torch.get_num_threads())
 
 
+def each_layer(function: Callable[[AttentionLayer], Any], layers: list[AttentionLayer], progress: Progress,
+               stage: str) -> list:
+    """function(layer) for every layer, results in layer order: fit_workers() layers side by side in threads of
+    one torch thread each, as compress fits them (so analyze's fits are compress's, to the bit), progress
+    counting the layers done."""
+    workers = min(fit_workers(), len(layers))
+    progress(stage, 0, len(layers))
+    if workers <= 1:
+        results = []
+        for index, layer in enumerate(layers):
+            results.append(function(layer))
+            progress(stage, index + 1, len(layers))
+        return results
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="collab-layer") as pool:
+            futures = {pool.submit(function, layer): index for index, layer in enumerate(layers)}
+            results: list = [None] * len(layers)
+            for done, future in enumerate(as_completed(futures)):
+                results[futures[future]] = future.result()
+                progress(stage, done + 1, len(layers))
+        return results
+    finally:
+        torch.set_num_threads(threads)
+
+
 LayerFitter = Callable[[AttentionLayer, Progress], tuple[LayerReport, dict[str, torch.Tensor]]]
 
 

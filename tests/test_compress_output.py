@@ -180,3 +180,13 @@ def test_the_summary_gives_the_weights_on_disk_before_and_after(tiny_bert, tmp_p
     assert disk_line(result.disk) in (tmp_path / "out" / "report.md").read_text()
     gguf = disk_line({"input_bytes": 532_000_000, "output_bytes": 520_000_000, "input_gguf_bytes": 94_000_000})
     assert gguf.startswith("- weights on disk: 532.0 MB -> 520.0 MB (the input was a 94.0 MB GGUF file, dequantised")
+
+
+def test_analyze_is_called_as_compress_is_and_predicts_the_fit_compress_writes(tiny_bert, tmp_path):
+    from collab_convert import analyze
+    from collab_convert.options import AnalyzeOptions
+
+    predicted = analyze(str(tiny_bert), AnalyzeOptions(ranks=[8]))
+    written = compress(str(tiny_bert), CompressOptions(rank=8, output=tmp_path / "out"))
+    assert [layer.candidates[0]["relative_error"] for layer in predicted.layers] == \
+        [round(layer.relative_error, 6) for layer in written.layers]

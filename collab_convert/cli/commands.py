@@ -55,8 +55,7 @@ def analyze(
     from ..analysis import analyze as run_analyze
     from ..io.folders import DEFAULT_MODEL
 
-    result = run_with_progress(run_analyze, model or DEFAULT_MODEL, chosen.ranks, show=not as_json, stage_lines=True,
-                               options=chosen)
+    result = run_with_progress(run_analyze, model or DEFAULT_MODEL, chosen, show=not as_json, stage_lines=True)
     if chosen.plot is not None:
         from ..forms import form_named
         from ..report.plots import plot_spectra

@@ -251,3 +251,15 @@ def test_weight_only_and_calibration_contradict(tmp_path, calibration_file, caps
 def test_encoders_are_not_calibrated_unasked(tiny_bert, tmp_path):
     result = compress(str(tiny_bert), CompressOptions(rank=8, output=tmp_path / "out"))
     assert result.calibration is None and not result.warnings
+
+
+def test_a_tokenizer_is_read_once_per_process_until_its_files_change(tiny_bert):
+    import os
+
+    from collab_convert.integration.loading import load_tokenizer
+
+    first = load_tokenizer(tiny_bert, "calibration")
+    assert load_tokenizer(tiny_bert, "a fidelity estimate") is first
+    changed = tiny_bert / "tokenizer.json"
+    os.utime(changed, ns=(changed.stat().st_atime_ns, changed.stat().st_mtime_ns + 10**9))
+    assert load_tokenizer(tiny_bert, "calibration") is not first

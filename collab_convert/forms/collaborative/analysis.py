@@ -13,6 +13,7 @@ from ...decompose.tucker import tucker_subspaces
 from ...options import DEFAULT_METHOD, AnalyzeOptions, CompressOptions
 from ...progress import Progress
 from ...results import AnalysisResult, LayerAnalysis, rounded
+from ...streaming import each_layer
 from ..base import ENERGY_SHARES, predictions
 from .ranks import estimator
 from .statistics import calibrate
@@ -25,11 +26,8 @@ def analyze(source: SourceModel, options: AnalyzeOptions, settings: CompressOpti
         for rank in options.ranks or []:
             layer.check_rank(rank)  # the same refusal as compress
     metrics, held_out = _statistics(source, settings, progress)
-    layers = []
-    for index, layer in enumerate(source.layers):
-        progress("analyzing", index, len(source.layers))
-        layers.append(_analyze_layer(source, layer, wanted, metrics, settings.device))
-    progress("analyzing", len(source.layers), len(source.layers))
+    layers = each_layer(lambda layer: _analyze_layer(source, layer, wanted, metrics, settings.device),
+                        source.layers, progress, "analyzing")
     result = AnalysisResult(model=source.source, family=source.family.name, form=form, layers=layers,
                             predictions=predictions(layers, wanted), forms=forms_offered(source.config))
     if options.calibration is not None or options.target_cosine is not None:
