@@ -7,7 +7,10 @@ compression of a one-layer model of the same width (one-time lazy loading of lib
 grows with the model). Streaming means: one input shard mapped, one layer's math and
 one tensor in flight at a time, so the peak stays flat as the model grows.
 
-    python benchmarks/memory.py [--calibration DOCUMENTS] [--form shared-key]
+    python benchmarks/memory.py [--ranks 256,512,768] [--calibration DOCUMENTS [--refine-steps 200,20]]
+        [--form shared-key]
+
+Every combination of rank and refinement steps is measured (the bound must hold across them, not at one point).
 
 --calibration N compresses with calibration on N Brown documents (about 200 words each, see
 calibration_documents.py) and the default refinement: the model then runs on text, a block at a time, its
@@ -85,18 +88,40 @@ def build(folder: Path, layers: int, with_tokenizer: bool = False) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 
+def measure(source: Path, size: int, layers: int, rank: int, refine: int, warmup: Path, settings: dict) -> None:
+    """One compress in a fresh process: its peak above its own baseline, printed as a row."""
+    shards = len(list(source.glob("*.safetensors")))
+    output = source.parent / f"out-{layers}-{rank}-{refine}"
+    run = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(source), str(output), str(rank), str(warmup), json.dumps(settings)],
+        capture_output=True, text=True, check=True,
+    )
+    measured = json.loads(run.stdout.strip().splitlines()[-1])
+    above = measured["peak"] - measured["baseline"]
+    print(f"{rank:>5} {refine:>6} {layers:>6} {size / 1e6:>9.0f}MB {shards:>7} {above / 1e6:>18.0f}MB "
+          f"{above / size:>7.1%} {measured['seconds']:>8.1f}", flush=True)
+    print("        seconds per stage: " + ", ".join(f"{k} {v:.1f}" for k, v in measured["stages"].items()))
+    print("        peak above baseline per stage: "
+          + ", ".join(f"{k} {v / 1e6:.0f}MB" for k, v in measured["stage_peaks"].items()), flush=True)
+    import shutil
+
+    shutil.rmtree(output, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="12,24", help="model depths to measure")
-    parser.add_argument("--rank", type=int, default=512)
+    parser.add_argument("--ranks", "--rank", default="512", help="ranks to measure at, e.g. 256,512,768")
     parser.add_argument("--calibration", type=int, default=0, help="calibrate on this many Brown documents")
-    parser.add_argument("--refine-steps", type=int, default=20,
-                        help="with --calibration: refinement steps per layer (memory does not grow with them)")
+    parser.add_argument("--refine-steps", default="200",
+                        help="with --calibration: refinement steps per layer to measure at (200: compress's "
+                        "default), e.g. 200,20")
     parser.add_argument("--form", default="auto", help="compress --form: collaborative (the default here) or "
                         "shared-key (--rank is then the shared key's width)")
     args = parser.parse_args()
     settings = {"form": args.form}
-    print(f"{'layers':>6} {'checkpoint':>11} {'shards':>7} {'peak above baseline':>20} {'share':>7} {'seconds':>8}")
+    print(f"{'rank':>5} {'refine':>6} {'layers':>6} {'checkpoint':>11} {'shards':>7} {'peak above baseline':>20} "
+          f"{'share':>7} {'seconds':>8}")
     with tempfile.TemporaryDirectory() as scratch:
         if args.calibration:
             sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -105,27 +130,19 @@ def main() -> None:
             texts = Path(scratch) / "documents.txt"
             fitted, held_out = documents()
             texts.write_text("\n".join(fitted[: args.calibration] + held_out[:32]) + "\n")
-            settings.update(calibration=str(texts), calibration_samples=args.calibration,
-                            refine_steps=args.refine_steps)
+            settings.update(calibration=str(texts), calibration_samples=args.calibration)
             print(f"calibration: {args.calibration} documents, fidelity measured on 32 held-out ones")
         warmup = Path(scratch) / "gpt2-warmup"
         build(warmup, 1, bool(args.calibration))
-        for layers in [int(n) for n in args.layers.split(",")]:
-            source = Path(scratch) / f"gpt2-{layers}"
-            size = build(source, layers, bool(args.calibration))
-            shards = len(list(source.glob("*.safetensors")))
-            output = Path(scratch) / f"out-{layers}"
-            run = subprocess.run(
-                [sys.executable, "-c", MEASURE, str(source), str(output), str(args.rank), str(warmup), json.dumps(settings)],
-                capture_output=True, text=True, check=True,
-            )
-            measured = json.loads(run.stdout.strip().splitlines()[-1])
-            above = measured["peak"] - measured["baseline"]
-            print(f"{layers:>6} {size / 1e6:>9.0f}MB {shards:>7} {above / 1e6:>18.0f}MB {above / size:>7.1%} "
-                  f"{measured['seconds']:>8.1f}")
-            print("        seconds per stage: " + ", ".join(f"{k} {v:.1f}" for k, v in measured["stages"].items()))
-            print("        peak above baseline per stage: "
-                  + ", ".join(f"{k} {v / 1e6:.0f}MB" for k, v in measured["stage_peaks"].items()))
+        steps = [int(n) for n in args.refine_steps.split(",")] if args.calibration else [0]
+        depths = [int(n) for n in args.layers.split(",")]
+        sources = {layers: Path(scratch) / f"gpt2-{layers}" for layers in depths}
+        sizes = {layers: build(sources[layers], layers, bool(args.calibration)) for layers in depths}
+        for rank in [int(n) for n in args.ranks.split(",")]:
+            for refine in steps:
+                for layers in depths:
+                    measure(sources[layers], sizes[layers], layers, rank, refine, warmup,
+                            {**settings, **({"refine_steps": refine} if args.calibration else {})})
     print("\ntarget: peak above baseline under half the checkpoint size, and flat as models grow")
 
 
