@@ -151,6 +151,12 @@ class CompressOptions(_ModelInputs, FidelityGates):
         "(keys and values, e.g. 0.5) in one key/value head per layer, whose width serving engines are told. "
         "Instead of --rank.",
     )
+    # The CP form: one total of shared dimensions, spread over the layers (forms/collaborative/statistics.py).
+    rank_spread: Literal["uniform", "energy"] = Field(
+        "uniform", description="With a number for --rank, the CP form: uniform gives every layer that rank; energy "
+        "gives the layers the same total (rank x layers), spread where the shared directions carry the most "
+        "energy (the logit energy on the calibration text, with --calibration), at least one per head.",
+    )
     energy: float | None = Field(
         None, gt=0, le=1,
         description="With --rank auto: instead of a fidelity target, keep this share of each layer's (logit, "

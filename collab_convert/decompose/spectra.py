@@ -70,3 +70,19 @@ def energy_rank(singular_values: torch.Tensor, share: float) -> int:
     return int(torch.searchsorted(cumulative, torch.tensor(share - 1e-12, dtype=COMPUTE_DTYPE)).item()) + 1
 
 
+
+
+def spread_budget(energies: list[torch.Tensor], budget: int, floors: list[int], ceilings: list[int]) -> list[int]:
+    """Ranks per layer summing to `budget` (at most), each within its floor and ceiling, that keep the most energy
+    in all: each layer's `energies` are the energies of its shared directions, strongest first, so taking the
+    strongest directions of all layers together gives each layer a prefix. Ties go to the earlier layer."""
+    ranks = list(floors)
+    items = [(-float(energy), layer, index) for layer, values in enumerate(energies)
+             for index, energy in enumerate(values.tolist()) if floors[layer] <= index < ceilings[layer]]
+    spent = sum(ranks)
+    for _, layer, _ in sorted(items):
+        if spent >= budget:
+            break
+        ranks[layer] += 1
+        spent += 1
+    return ranks

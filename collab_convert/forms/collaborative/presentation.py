@@ -23,6 +23,9 @@ def rank_sentence(result: CompressResult) -> str:
         choice = result.rank_choice
         how = (f", the smallest reaching an embedding cosine of {choice['target_cosine']} "
                f"(estimated {choice['estimated_cosine_mean']:.4f} before refinement, on {choice['probe']})")
+    elif result.rank_choice and result.rank_choice["mode"] == "energy spread":
+        how = (f", {result.rank_choice['total']} in all spread over the layers where they keep the most "
+               f"{result.rank_choice['energy']}")
     elif result.rank_choice:
         how = f", keeping {result.rank_choice['energy']:.0%} of each layer's energy"
     return (f"Every attention layer ({len(result.layers)}) shares a query and a key projection of rank {shown} "

@@ -46,6 +46,38 @@ def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], p
     return metrics, calibration
 
 
+def direction_energies(source: SourceModel, metrics) -> dict[str, torch.Tensor]:
+    """Each layer's energy per shared direction, strongest first: the mean of the squared singular values of the
+    query side and the key side of its (whitened, with calibration: logit) head products."""
+    from ...decompose.calibrated import whiten
+    from ...decompose.spectra import key_side_matrix, query_side_matrix
+
+    energies = {}
+    for layer in source.layers:
+        products = source.read_projections(layer).products(layer.shape.num_heads)
+        if metrics is not None:
+            metric = metrics[layer.prefix]
+            products = whiten(products, metric.query, metric.key)
+        query, key = (torch.linalg.svdvals(side(products)) ** 2 for side in (query_side_matrix, key_side_matrix))
+        count = min(query.shape[0], key.shape[0])
+        energies[layer.prefix] = (query[:count] + key[:count]) / 2
+    return energies
+
+
+def spread_ranks(source: SourceModel, options: CompressOptions, metrics) -> dict[str, int]:
+    """--rank R --rank-spread energy: the same total as R in every layer, spread where the directions carry the
+    most (logit, with --calibration) energy; each layer keeps at least one direction per head."""
+    from ...decompose.spectra import spread_budget
+
+    energies = direction_energies(source, metrics)
+    layers = source.layers
+    floors = [min(layer.shape.num_heads, layer.shape.key_dim) for layer in layers]
+    ceilings = [layer.shape.key_dim for layer in layers]
+    budget = sum(min(options.rank, layer.shape.key_dim) for layer in layers)
+    ranks = spread_budget([energies[layer.prefix] for layer in layers], budget, floors, ceilings)
+    return {layer.prefix: rank for layer, rank in zip(layers, ranks, strict=True)}
+
+
 def energy_ranks(source: SourceModel, options: CompressOptions, metrics) -> dict[str, int]:
     """One rank per layer: the fewest shared dimensions holding `options.energy` of the energy of its (whitened,
     with calibration) products."""

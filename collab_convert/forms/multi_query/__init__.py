@@ -21,6 +21,7 @@ from typing import Any
 from ...architectures.source import SourceModel
 from ...decompose.shared_key import KeyRanks
 from ...format import MULTI_QUERY_FORM
+from ...errors import BadInputError
 from ...options import AnalyzeOptions, CompressOptions
 from ...progress import Progress
 from ...resume import FinishedLayers
@@ -50,6 +51,9 @@ class MultiQueryForm(Form):
                         "--format gguf -o OUT.gguf`. Its provenance is under config.json's `collab_convert`.")
 
     def plan(self, source: SourceModel, options: CompressOptions) -> FormPlan:
+        if options.rank_spread != "uniform":
+            raise BadInputError("--rank-spread spreads the collaborative (CP) form's --rank; the multi-query form "
+                                "already spreads its budget over the layers where it keeps the most energy")
         width = plan_width(source, options)
         layer = source.layers[0]
         kept = (f"{width / layer.full_rank:.0%} of the KV cache: one key/value head of {width} per layer (it has "

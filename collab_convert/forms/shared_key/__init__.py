@@ -35,6 +35,9 @@ class SharedKeyForm(Form):
     presentation = presentation
 
     def plan(self, source: SourceModel, options: CompressOptions) -> FormPlan:
+        if options.rank_spread != "uniform":
+            raise BadInputError("--rank-spread spreads the collaborative (CP) form's --rank; the shared-key form "
+                                "already spreads its budget over the layers where it keeps the most energy")
         if options.method != DEFAULT_METHOD:
             raise BadInputError(f"--method chooses the collaborative (CP) form's decomposition; the shared-key form "
                                 f"fits its key by weighted PCA: drop --method {options.method}")
