@@ -60,6 +60,8 @@ def test_compress_with_key_cache_writes_a_smaller_cache(tiny_llama, tmp_path, ca
     (("--rank", "16", "--key-cache", "0.5"), "not both"),
     (("--rank", "33"), "exceeds the full rank"),
     (("--key-cache", "0"), "--key-cache"),
+    (("--key-cache", "0.5", "--rank-spread", "energy"), "already spreads its budget"),
+    (("--kv-cache", "0.5", "--rank-spread", "energy"), "already spreads its budget"),
 ])
 def test_bad_budgets_are_refused_in_one_line(tiny_llama, tmp_path, capsys, arguments, fragment):
     code, _, err = run(capsys, "compress", tiny_llama, *arguments, "-o", tmp_path / "out")
