@@ -108,10 +108,11 @@ def stored_precision(path: Path) -> str:
 
 
 def source_precision(folder: Path) -> str | None:
-    """For a folder dequantised from a GGUF file: the precision that file stored its weights in (f16, bf16 or
-    f32). None for any other folder, or where the file can no longer be read."""
+    """For a folder dequantised from a GGUF file (in our cache): the precision that file stored its weights in
+    (f16, bf16 or f32). None for any other folder (a checkpoint compressed from one carries the note along, but its
+    weights are in the precision it was written in), or where the file can no longer be read."""
     note = Path(folder) / SOURCE_NOTE
-    if not note.is_file():
+    if not note.is_file() or not Path(folder).resolve().is_relative_to(cache_root().resolve()):
         return None
     try:
         recorded = json.loads(note.read_text(encoding="utf-8"))

@@ -87,3 +87,13 @@ def test_dtype_converts_every_floating_tensor_of_a_folder_too(tiny_bert, tmp_pat
         full = AutoModel.from_pretrained(tmp_path / "f32").eval()(ids).last_hidden_state
     assert half.dtype == full.dtype == torch.float32
     assert torch.nn.functional.cosine_similarity(half, full, dim=-1).min() > 0.999
+
+
+def test_a_checkpoint_compressed_from_a_gguf_keeps_its_own_precision_when_compressed_again(tiny_llama_folder, tmp_path,
+                                                                                          monkeypatch):
+    monkeypatch.setenv("COLLAB_CONVERT_CACHE", str(tmp_path / "cache"))
+    source = gguf_of(tiny_llama_folder, "f16", tmp_path / "in.gguf")
+    compress(str(source), CompressOptions(kv_cache=1.0, output=tmp_path / "f32", weight_only=True, dtype="f32"))
+    again = compress(str(tmp_path / "f32"), CompressOptions(kv_cache=1.0, output=tmp_path / "again",
+                                                            weight_only=True))
+    assert stored_dtypes(tmp_path / "again") == {"F32"} and "written_dtype" not in again.disk
