@@ -152,11 +152,19 @@ class CompressOptions(_ModelInputs, FidelityGates):
         "Instead of --rank.",
     )
     # The CP form: one total of shared dimensions, spread over the layers (forms/collaborative/statistics.py).
-    rank_spread: Literal["uniform", "energy"] = Field(
-        "uniform", description="With a number for --rank, the CP form: uniform gives every layer that rank; energy "
+    rank_spread: Literal["auto", "uniform", "energy"] = Field(
+        "auto", description="With a number for --rank, the CP form: uniform gives every layer that rank; energy "
         "gives the layers the same total (rank x layers), spread where the shared directions carry the most "
-        "energy (the logit energy on the calibration text, with --calibration), at least one per head.",
+        "energy (the logit energy on the calibration text, with --calibration), at least one per head. auto: "
+        "energy with --calibration (measured across domains: docs/benchmarks.md), uniform without.",
     )
+
+    @property
+    def spread(self) -> str:
+        """How a numeric --rank is spread over the layers: uniform or energy (auto resolved)."""
+        if self.rank_spread != "auto":
+            return self.rank_spread
+        return "energy" if self.calibration is not None else "uniform"
     energy: float | None = Field(
         None, gt=0, le=1,
         description="With --rank auto: instead of a fidelity target, keep this share of each layer's (logit, "

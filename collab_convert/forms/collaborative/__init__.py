@@ -35,7 +35,10 @@ class CollaborativeForm(Form):
     presentation = presentation
 
     def plan(self, source: SourceModel, options: CompressOptions) -> FormPlan:
-        return FormPlan(plan_layers(source, options), f"rank {options.rank}", options.method, options.rank)
+        size = f"rank {options.rank}"
+        if options.rank != "auto" and options.spread == "energy":  # each layer's rank is known after calibrating
+            size += " on average, spread over the layers by energy"
+        return FormPlan(plan_layers(source, options), size, options.method, options.rank)
 
     def statistics(self, source: SourceModel, options: CompressOptions, texts: list[str] | None, progress: Progress,
                    scratch: Path | None = None) -> Statistics:

@@ -24,7 +24,7 @@ def plan_layers(source: SourceModel, options: CompressOptions) -> list[dict]:
         raise BadInputError(f"{flag} sizes the {form} form, which --form collaborative is not; give --rank")
     if options.rank is None:
         raise BadInputError("give --rank R (the shared query/key dimension), or --rank auto")
-    if options.rank_spread != "uniform" and options.rank == "auto":
+    if options.rank_spread == "energy" and options.rank == "auto":
         raise BadInputError("--rank-spread energy spreads a number given to --rank; --rank auto sizes every layer "
                             "from its target: drop one of them")
     if options.calibration is not None and not method_named(options.method).calibrates:
@@ -72,7 +72,7 @@ def choose_ranks(source: SourceModel, options: CompressOptions, metrics, estimat
     the smallest rank whose measured embedding cosine on probe texts reaches it. It falls back to an energy
     share of the head products where the model cannot be run on text, or where `--energy` was asked for.
     """
-    if options.rank != "auto" and options.rank_spread == "energy":
+    if options.rank != "auto" and options.spread == "energy":
         ranks = spread_ranks(source, options, metrics)
         return ranks, {"mode": "energy spread", "total": sum(ranks.values()),
                        "energy": "logit energy on the calibration text" if metrics else "energy of the weights"}

@@ -51,7 +51,7 @@ class MultiQueryForm(Form):
                         "--format gguf -o OUT.gguf`. Its provenance is under config.json's `collab_convert`.")
 
     def plan(self, source: SourceModel, options: CompressOptions) -> FormPlan:
-        if options.rank_spread != "uniform":
+        if options.rank_spread != "auto":
             raise BadInputError("--rank-spread spreads the collaborative (CP) form's --rank; the multi-query form "
                                 "already spreads its budget over the layers where it keeps the most energy")
         width = plan_width(source, options)

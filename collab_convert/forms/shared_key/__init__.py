@@ -35,7 +35,7 @@ class SharedKeyForm(Form):
     presentation = presentation
 
     def plan(self, source: SourceModel, options: CompressOptions) -> FormPlan:
-        if options.rank_spread != "uniform":
+        if options.rank_spread != "auto":
             raise BadInputError("--rank-spread spreads the collaborative (CP) form's --rank; the shared-key form "
                                 "already spreads its budget over the layers where it keeps the most energy")
         if options.method != DEFAULT_METHOD:
