@@ -11,6 +11,10 @@ calibration tokens (issue 35), measured side by side in one run.
    --calibration-max-length L`, wall time, and from its report.json the time past imports and each stage's.
 Printed: every stage in seconds and as a multiple of the floor, and the whole run's multiple (target: at most
 2.0). --profile records the CLI run with py-spy (a flame graph), to see where a stage's time goes.
+3. With --distill-steps in --extra: one distillation step (report.json's distillation.seconds_per_step: the batch,
+   the original's forward, the result's forward and backward, Adam's update) against one forward-backward pass of
+   the original (every weight trainable, as a plain fine-tune's step) on batches of the same shape (the texts a
+   step takes, cut alike), with the CLI's thread count, median of 5.
 
 Text: Brown documents of about 200 words (benchmarks/calibration_documents.py), the calibration side.
 """
@@ -61,6 +65,39 @@ def floor_seconds(folder: Path, texts: list[str], max_length: int, threads: int 
     return time.perf_counter() - started, sum(len(ids) for ids in encoded)
 
 
+def forward_backward_seconds(folder: Path, texts: list[str], max_length: int, threads: int | None,
+                             repeats: int = 5) -> tuple[float, int]:
+    """(median seconds of one forward-backward pass of the original on a distillation step's batch, its texts)."""
+    import statistics
+
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    from collab_convert.integration.batches import right_padded
+    from collab_convert.integration.distillation import objective_for
+    from collab_convert.integration.fidelity import is_language_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    config = json.loads((folder / "config.json").read_text())
+    sequences = objective_for(config.get("architectures")).batch_sequences
+    causal = is_language_model(config.get("architectures"))
+    model = (AutoModelForCausalLM if causal else AutoModel).from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    encoded = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
+    generator, seen = torch.Generator().manual_seed(0), []
+    for _ in range(repeats + 1):  # the first warms up
+        picks = torch.randperm(len(encoded), generator=generator)[:sequences].tolist()
+        input_ids, attention_mask = right_padded([encoded[i] for i in picks], tokenizer.pad_token_id or 0)
+        started = time.perf_counter()
+        output = model(input_ids=input_ids, attention_mask=attention_mask)
+        values = output.logits if causal else output.last_hidden_state
+        values.float().logsumexp(-1).mean().backward()
+        seen.append(time.perf_counter() - started)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(seen[1:]), sequences
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
@@ -102,9 +139,18 @@ def main() -> None:
         print(f"{stage:<28} {seconds:8.1f} {seconds / floor:15.2f}")
     print(f"{'whole run past imports':<28} {report['seconds']:8.1f} {report['seconds'] / floor:15.2f}   "
           f"(target 2.0; CLI wall time with imports {wall:.1f} s)")
-    print(json.dumps({"model": name, "budget": budget, "extra": args.extra, "tokens": tokens, "floor_seconds": floor,
-                      "run_seconds": report["seconds"], "wall_seconds": wall, "ratio": report["seconds"] / floor,
-                      "stage_seconds": report["stage_seconds"], "threads": threads}))
+    figures = {"model": name, "budget": budget, "extra": args.extra, "tokens": tokens, "floor_seconds": floor,
+               "run_seconds": report["seconds"], "wall_seconds": wall, "ratio": report["seconds"] / floor,
+               "stage_seconds": report["stage_seconds"], "threads": threads}
+    distillation = report.get("distillation")
+    if distillation and "seconds_per_step" in distillation:
+        pass_seconds, sequences = forward_backward_seconds(folder, calibration, args.max_length, threads)
+        step = distillation["seconds_per_step"]
+        print(f"one distillation step ({sequences} texts): {step:.2f} s; one forward-backward pass of the original on "
+              f"a batch of the same shape: {pass_seconds:.2f} s; ratio {step / pass_seconds:.2f}")
+        figures.update(distill_step_seconds=step, forward_backward_seconds=pass_seconds,
+                       distill_step_ratio=step / pass_seconds)
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":

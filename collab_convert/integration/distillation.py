@@ -51,12 +51,14 @@ class Distillation:
     held_out: int
     trained: int  # parameters tuned
     seconds: float
+    seconds_per_step: float  # a training step alone (its batch, both models' passes, the backward, Adam's update)
 
     def as_dict(self) -> dict:
         found = {"objective": self.objective, "held_out_measure": self.measure, "steps": self.steps,
                  "best_step": self.best_step, "before": self.before, "after": self.after,
                  "sequences": self.sequences, "held_out_sequences": self.held_out,
-                 "parameters_tuned": self.trained, "seconds": round(self.seconds, 2)}
+                 "parameters_tuned": self.trained, "seconds": round(self.seconds, 2),
+                 "seconds_per_step": round(self.seconds_per_step, 4)}
         if self.measure == NextTokens.measure:  # the names gates and scripts read for language models
             found.update(kl_before=self.before, kl_after=self.after)
         return found
@@ -152,13 +154,16 @@ def distill(original: Path, result: Path, texts: list[str], max_length: int, ste
 
     before = best = held_out_measure()
     best_state, best_step, since_best, step = _snapshot(tuned), 0, 0, 0
+    stepping = 0.0  # seconds in training steps, held-out checks apart
     for step in range(1, steps + 1):
+        step_started = time.perf_counter()
         picks = torch.randperm(len(training), generator=generator)[:batch].tolist()
         total, _, count = batch_losses([training[i] for i in picks])
         loss = total / count
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
+        stepping += time.perf_counter() - step_started
         shown = f"training loss {float(loss.detach()):.4f}, held-out {before:.4f} -> {best:.4f}"
         progress(f"distilling{DETAIL}{shown}", step, steps)
         if step % CHECK_EVERY and step != steps:
@@ -171,7 +176,8 @@ def distill(original: Path, result: Path, texts: list[str], max_length: int, ste
             if since_best >= PATIENCE:
                 break
     report = Distillation(objective.objective, objective.measure, step, best_step, before, best, len(training),
-                          len(held_out), sum(p.numel() for p in tuned.values()), time.perf_counter() - started)
+                          len(held_out), sum(p.numel() for p in tuned.values()), time.perf_counter() - started,
+                          stepping / max(step, 1))
     return best_state, report
 
 

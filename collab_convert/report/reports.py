@@ -105,4 +105,4 @@ def _distillation_lines(distillation: dict | None) -> list[str]:
     return [f"- distillation (every layer together, {d['objective']}): {d['held_out_measure']} on "
             f"{d['held_out_sequences']} held-out calibration texts {d['before']:.4f} -> {d['after']:.4f}; best of "
             f"{d['steps']} Adam steps at step {d['best_step']}, {d['parameters_tuned']:,} parameters tuned on "
-            f"{d['sequences']} texts"]
+            f"{d['sequences']} texts" + (f", {d['seconds_per_step']:.2f} s a step" if "seconds_per_step" in d else "")]

@@ -69,6 +69,8 @@ def test_distillation_lowers_the_held_out_kl_and_changes_only_collaborative_tens
     assert report["kl_after"] < report["kl_before"]
     assert 0 < report["best_step"] <= report["steps"] <= 60
     assert report["parameters_tuned"] > 0 and report["held_out_sequences"] >= 1
+    # a step's own time, held-out checks and loading apart: what the benchmark sets against a forward-backward pass
+    assert 0 < report["seconds_per_step"] * report["steps"] < report["seconds"]
 
     fitted, distilled = tensors(tmp_path / "fitted"), tensors(tmp_path / "distilled")
     assert fitted.keys() == distilled.keys()
@@ -135,7 +137,9 @@ def test_an_encoder_is_distilled_on_its_sentence_embeddings(tiny_llama, tmp_path
 
 
 @pytest.mark.parametrize("form, budget, parts", [
-    ("collaborative", {"rank": 8}, ("mixing", "content_bias")),  # shared query and key, mixing, content bias
+    # shared query and key, mixing, content bias; uniform ranks: spread by energy, rank 8 on average fits this
+    # tiny model to a KL of 1e-8, which leaves distillation nothing to show
+    ("collaborative", {"rank": 8, "rank_spread": "uniform"}, ("mixing", "content_bias")),
     ("shared-key", {"key_cache": 0.25}, ("pass_core", "shared_key.weight")),  # per-head queries, one shared key
 ])
 def test_both_forms_of_a_gpt2_are_distilled_too(form, budget, parts, tiny_llama, tmp_path):
