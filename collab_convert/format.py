@@ -44,6 +44,10 @@ FORMS = (COLLABORATIVE_FORM, SHARED_KEY_FORM, MULTI_QUERY_FORM)
 MULTI_QUERY_RECORD = "collab_convert"  # config.json key of the multi-query form's provenance; transformers ignores it
 _OLD_FORM_NAMES = {"rotary-shared-key": SHARED_KEY_FORM}  # what format 1 records called the shared-key form
 
+# The modeling code an encoder's CP checkpoint carries (integration/checkpoint_code.py), named by config.json's
+# auto_map: transformers runs it only with trust_remote_code=True.
+CHECKPOINT_CODE = "collaborative_modeling.py"
+
 SHARED_QUERY = "shared_query.weight"
 SHARED_KEY = "shared_key.weight"
 MIXING = "mixing"

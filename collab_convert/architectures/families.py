@@ -43,6 +43,13 @@ class FormOffer:
     forward: Callable | None = None
     requires: tuple[tuple[str, tuple, str], ...] = ()
 
+    @property
+    def carries_code(self) -> bool:
+        """Whether its checkpoints carry their modeling code (integration/checkpoint_code.py): the CP form of
+        modules that call separate query and key projections in their own forward, which that code takes
+        without knowing the family."""
+        return self.form == COLLABORATIVE_FORM and isinstance(self.layout, SeparateProjections) and not self.forward
+
 
 @dataclass(frozen=True)
 class Family:

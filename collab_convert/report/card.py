@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..format import CHECKPOINT_CODE
 from ..io.folders import EMBEDDED_MODELS, readme_front_matter
 from .summary import summary_lines
 
@@ -27,6 +28,12 @@ class CardSource:
     def of(cls, model: str, folder: Path, config: dict[str, Any]) -> "CardSource":
         front = readme_front_matter(folder)
         return cls(_base_model_id(model, config), front, front.get("license") or config.get("license"))
+
+
+CARRIED_CODE = (f"Without collab-convert, pass `trust_remote_code=True` (transformers' Auto classes, "
+                "sentence-transformers, pipelines): the modeling code travels with the checkpoint "
+                f"({CHECKPOINT_CODE}; it imports only torch and transformers). Without that flag transformers "
+                "refuses the checkpoint rather than load it with random query and key weights.")
 
 
 def write_model_card(result: "CompressResult", form, source: CardSource, folder: Path) -> list[str]:
@@ -61,6 +68,7 @@ def write_model_card(result: "CompressResult", form, source: CardSource, folder:
         *summary_lines(result, form, texts=False),
         "",
         card.loading,
+        *([CARRIED_CODE] if (folder / CHECKPOINT_CODE).exists() else []),
         "Details per layer are in report.md.",
         "",
     ]

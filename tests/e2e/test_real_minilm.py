@@ -82,3 +82,47 @@ def test_sentence_transformers_encodes_with_the_compressed_folder(tmp_path, orig
 
 def str_model() -> str:
     return "sentence-transformers/all-MiniLM-L6-v2"
+
+
+# sentence-transformers and a pipeline in a Python where collab_convert cannot be imported (as if not installed)
+PLAIN_SENTENCE_TRANSFORMERS = r"""
+import sys
+sys.modules["collab_convert"] = None
+import json, torch
+from sentence_transformers import SentenceTransformer
+from transformers import pipeline
+folder, texts = sys.argv[1], json.loads(sys.argv[2])
+try:
+    SentenceTransformer(folder, device="cpu")
+    refused = None
+except Exception as error:
+    refused = str(error).strip().splitlines()[-1]
+encoded = SentenceTransformer(folder, device="cpu", trust_remote_code=True).encode(texts, convert_to_tensor=True)
+features = pipeline("feature-extraction", model=folder, trust_remote_code=True)(texts[0], return_tensors=True)
+print(json.dumps({"refused": refused, "embeddings": encoded.tolist(), "features": features[0].tolist(),
+                  "imported_us": sys.modules.get("collab_convert") is not None}))
+"""
+
+
+def test_sentence_transformers_and_pipelines_load_the_cp_form_with_its_own_code_and_refuse_without(tmp_path):
+    """Released without collab-convert, a compressed MiniLM refuses to load the usual way and loads right with
+    trust_remote_code=True: the same embeddings as through our loader."""
+    import subprocess
+    import sys
+
+    from sentence_transformers import SentenceTransformer
+
+    out = tmp_path / "released"
+    compress(str_model(), CompressOptions(rank=192, output=out))
+    done = subprocess.run([sys.executable, "-c", PLAIN_SENTENCE_TRANSFORMERS, str(out), json.dumps(SENTENCES[:4])],
+                          capture_output=True, text=True, check=True)
+    plain = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not plain["imported_us"]
+    assert plain["refused"] and "ignore_mismatched_sizes" in plain["refused"]
+    ours = SentenceTransformer(str(out), device="cpu").encode(SENTENCES[:4], convert_to_tensor=True)
+    assert torch.allclose(torch.tensor(plain["embeddings"]), ours, atol=1e-5)
+    model = collab_convert.load_model(out, AutoModel).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    with torch.no_grad():
+        states = model(**tokenizer(SENTENCES[:1], return_tensors="pt")).last_hidden_state[0]
+    assert torch.allclose(torch.tensor(plain["features"]), states, atol=1e-4)

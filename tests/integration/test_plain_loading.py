@@ -1,13 +1,16 @@
-"""Every output form, loaded the ordinary way (transformers alone, in a Python that never imports collab_convert):
-it loads right or refuses loudly, never silently wrong. The CP and shared-key checkpoints need our loader, so they
-carry a load guard that makes transformers refuse them; the multi-query checkpoint is stock and loads as it is; a
-shared-key checkpoint that replaces nothing (a key norm keeps the key projection) loads as the original model."""
+"""Every output form, loaded the ordinary way (transformers alone, in a Python where collab_convert cannot be
+imported, as if it were not installed): it loads right or refuses loudly, never silently wrong. The CP and
+shared-key checkpoints need our loader, so they carry a load guard that makes transformers refuse them; an
+encoder's CP checkpoint also carries its modeling code, which loads it right when the user passes
+trust_remote_code=True; the multi-query checkpoint is stock and loads as it is; a shared-key checkpoint that
+replaces nothing (a key norm keeps the key projection) loads as the original model."""
 
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from collab_convert import CompressOptions, compress
 from fixtures.models import FAMILY_CASES, ROTARY_CASES, build_family, build_rotary
@@ -15,11 +18,13 @@ from fixtures.models import FAMILY_CASES, ROTARY_CASES, build_family, build_rota
 # Loads each checkpoint with transformers alone and prints what became of it: refused (and the error's last line),
 # or its outputs' largest difference from a reference folder loaded the same way.
 PLAIN = r"""
-import json, sys, torch, transformers
+import sys
+sys.modules["collab_convert"] = None  # not installed: any import of it fails
+import json, torch, transformers
 cases = json.loads(sys.argv[1])
 
-def outputs(folder, auto, kind):
-    model = getattr(transformers, auto).from_pretrained(folder).eval()
+def outputs(folder, auto, kind, trust=False):
+    model = getattr(transformers, auto).from_pretrained(folder, trust_remote_code=trust).eval()
     generator = torch.Generator().manual_seed(0)
     if kind == "vision":
         inputs = {"pixel_values": torch.randn(1, 3, 16, 16, generator=generator)}
@@ -34,14 +39,33 @@ def outputs(folder, auto, kind):
 seen = {}
 for name, case in cases.items():
     try:
-        loaded = outputs(case["folder"], case["auto"], case["kind"])
+        loaded = outputs(case["folder"], case["auto"], case["kind"], case.get("trust", False))
     except Exception as error:
         seen[name] = {"refused": str(error).strip().splitlines()[-1]}
         continue
-    reference = outputs(case["reference"], case["auto"], case["kind"])
+    # the original, loaded the same way; or what our loader makes of the checkpoint (saved by the test)
+    reference = torch.load(case["ours"]) if "ours" in case else outputs(case["reference"], case["auto"], case["kind"])
     seen[name] = {"difference": float((loaded - reference).abs().max() / reference.abs().max())}
-print(json.dumps({"seen": seen, "imported_us": "collab_convert" in sys.modules}))
+print(json.dumps({"seen": seen, "imported_us": sys.modules.get("collab_convert") is not None}))
 """
+
+
+def _ours(folder, auto, kind):
+    """The checkpoint's outputs through collab_convert's own loader, on the inputs the loading script makes."""
+    import transformers
+
+    import collab_convert
+
+    model = collab_convert.load_model(folder, getattr(transformers, auto)).eval()
+    generator = torch.Generator().manual_seed(0)
+    if kind == "vision":
+        inputs = {"pixel_values": torch.randn(1, 3, 16, 16, generator=generator)}
+    else:
+        inputs = {"input_ids": torch.randint(3, 50, (1, 12), generator=generator)}
+    with torch.no_grad():
+        result = model(**inputs)
+    return result.logits if hasattr(result, "logits") else result.last_hidden_state
+
 
 ROTARY = {case.name: case for case in ROTARY_CASES}
 
@@ -60,6 +84,11 @@ def _cases(root):
         build_family(family, source)
         add(f"{family.name} collaborative", "refuses", source, {"rank": family.full_rank // 2}, family.auto,
             family.kind)
+        if (root / f"{family.name} collaborative" / "collaborative_modeling.py").exists():
+            expected = root / f"{family.name}-ours.pt"
+            torch.save(_ours(root / f"{family.name} collaborative", family.auto, family.kind), expected)
+            cases[f"{family.name} collaborative, its own code trusted"] = (
+                "our loader's outputs", {**cases[f"{family.name} collaborative"][1], "trust": True, "ours": str(expected)})
         if family.name == "bert":  # exact at full rank, and still only through our loader
             add("bert collaborative full rank", "refuses", source, {"rank": family.full_rank}, family.auto,
                 family.kind)
@@ -81,11 +110,17 @@ def _cases(root):
 @pytest.fixture(scope="module")
 def plain_loads(tmp_path_factory):
     cases = _cases(tmp_path_factory.mktemp("plain"))
-    done = subprocess.run([sys.executable, "-c", PLAIN, json.dumps({n: c for n, (_, c) in cases.items()})],
-                          capture_output=True, text=True, check=True)
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert not report["imported_us"]
-    return {name: (expected, report["seen"][name]) for name, (expected, _) in cases.items()}
+    seen = {}
+    # Trusted code registers its loader in the process for good: the loads without the flag run in another one,
+    # and the trusted ones all in one, as a user loading checkpoints of several families would.
+    for trusted in (False, True):
+        chosen = {name: case for name, (_, case) in cases.items() if case.get("trust", False) == trusted}
+        done = subprocess.run([sys.executable, "-c", PLAIN, json.dumps(chosen)], capture_output=True, text=True,
+                              check=True)
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        assert not report["imported_us"]
+        seen.update(report["seen"])
+    return {name: (expected, seen[name]) for name, (expected, _) in cases.items()}
 
 
 @pytest.mark.slow
@@ -94,9 +129,19 @@ def test_no_output_form_loads_silently_wrong_without_our_package(plain_loads):
     for name, (expected, seen) in plain_loads.items():
         if expected == "refuses" and "refused" not in seen:
             wrong[name] = f"loaded (outputs {seen['difference']:.2e} from the original)"
-        if expected == "the original" and seen.get("difference", 1.0) > 1e-4:
+        if expected in ("the original", "our loader's outputs") and seen.get("difference", 1.0) > 1e-4:
             wrong[name] = seen
     assert not wrong, wrong
+
+
+@pytest.mark.slow
+def test_encoders_in_the_cp_form_load_right_with_their_own_code_where_the_user_trusts_it(plain_loads):
+    """BERT-like, DistilBERT, ALBERT and ViT modules run their own forward over separate query and key projections:
+    the code the checkpoint carries swaps them as our loader does, with no collab_convert to import."""
+    trusted = {name: seen for name, (expected, seen) in plain_loads.items() if expected == "our loader's outputs"}
+    assert {name.split(" ")[0] for name in trusted} == {"bert", "roberta", "xlm-roberta", "electra", "distilbert",
+                                                       "albert", "vit", "deit"}
+    assert all(seen.get("difference", 1.0) <= 1e-5 for seen in trusted.values()), trusted
 
 
 @pytest.mark.slow

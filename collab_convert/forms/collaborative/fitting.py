@@ -14,7 +14,8 @@ from ...cpu import reused_heap
 from ...decompose.costs import collaborative_cost, original_cost
 from ...decompose.methods import FitRequest, LayerFit, method_named
 from ...decompose.products import content_bias, relative_error
-from ...format import CONTENT_BIAS, FormatConfig, HeadCounts, collaborative_tensors, write_config
+from ...format import COLLABORATIVE_FORM, CONTENT_BIAS, FormatConfig, HeadCounts, collaborative_tensors, write_config
+from ...integration.remote_code import write_checkpoint_code
 from ...io.headers import TensorSpec
 from ...io.spill import SpillFolder
 from ...options import CompressOptions
@@ -190,3 +191,6 @@ def write_format_config(source: SourceModel, reports: list[CollaborativeLayerRep
                                                by_prefix[r.name].stores_content_bias(calibrated))
               for r in reports}
     write_config(source.config, source.family.name, method, layers, folder)
+    offer = source.family.offer(COLLABORATIVE_FORM)
+    if offer.carries_code:  # loadable with trust_remote_code=True where collab-convert is not installed
+        write_checkpoint_code(folder, offer.layout.query, offer.layout.key)
