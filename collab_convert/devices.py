@@ -44,3 +44,19 @@ def unavailable(device: str) -> str | None:
         return (f"--device {device} was asked for, but torch sees {count} CUDA device(s) here: "
                 f"cuda:0 to cuda:{count - 1}")
     return None
+
+
+def training_products(device: Device) -> torch.dtype:
+    """The dtype a refinement step's matrix products run in on `device`: bfloat16 where the hardware multiplies
+    it natively, float32 elsewhere (an emulated bfloat16 product is slower than float32's). Measured on a CPU
+    with AVX512-BF16: the attention's batched product in a third of float32's time, a CP layer's refinement
+    25-40% faster, and all-MiniLM-L6-v2's held-out KL after refinement the same to 1e-5. Held-out checks, which
+    choose the state kept, stay in float32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN: no native bfloat16 products
+        native = False
+    return torch.bfloat16 if device.type == "cpu" and native else torch.float32

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..devices import HOST, Device
+from ..devices import HOST, Device, training_products
 from .products import CollaborativeFactors
 
 # Adam's step, as a share of each tensor's typical entry, and what one step sees. Measured on all-MiniLM-L6-v2,
@@ -76,16 +76,24 @@ class _Batch:
         return cls(x, y, mask, int(x_mask.sum()) * heads, target_p, float((target_p * target).sum()))
 
 
-def _collaborative_kl(parameters, batch: _Batch, scaling: float) -> torch.Tensor:
-    """Mean KL(original || collaborative) over the batch's real attention rows."""
+def product_in(left: torch.Tensor, right: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """left @ right computed in `dtype`, returned in float32."""
+    if dtype == torch.float32:
+        return left @ right
+    return (left.to(dtype) @ right.to(dtype)).float()
+
+
+def _collaborative_kl(parameters, batch: _Batch, scaling: float, products: torch.dtype = torch.float32) -> torch.Tensor:
+    """Mean KL(original || collaborative) over the batch's real attention rows; the three matrix products run in
+    `products` (devices.training_products), softmax and the KL in float32."""
     shared_query, shared_key, mixing, bias = parameters
     (size, n, _), m, (heads, rank) = batch.x.shape, batch.y.shape[1], mixing.shape
     # The packed key [y W~_K, y r_1 .. y r_N] in one product; every head scores against the one shared key in a
     # single batched product (heads x queries as rows), never a per-head copy of it: as the runtime does. The
     # scaling rides on the small factors, and the content bias joins the mask before the one full-size add.
-    packed = batch.y @ torch.cat([shared_key, bias.T], 1)  # (B, m, R + H)
-    per_head_q = (batch.x @ shared_query).unsqueeze(1) * (mixing * scaling)[None, :, None, :]  # (B, H, n, R)
-    scores = torch.bmm(per_head_q.reshape(size, heads * n, rank), packed[..., :rank].transpose(1, 2))
+    packed = product_in(batch.y, torch.cat([shared_key, bias.T], 1), products)  # (B, m, R + H)
+    per_head_q = product_in(batch.x, shared_query, products).unsqueeze(1) * (mixing * scaling)[None, :, None, :]
+    scores = product_in(per_head_q.reshape(size, heads * n, rank), packed[..., :rank].transpose(1, 2), products)
     per_key = (packed[..., rank:] * scaling).transpose(1, 2).unsqueeze(2) + batch.mask  # (B, H, 1 | n, m)
     log_q = torch.log_softmax(scores.view(size, heads, n, m) + per_key, dim=-1)
     return (batch.entropy - (batch.target_p * log_q).sum()) / batch.rows
@@ -186,6 +194,7 @@ class AttentionTarget:
         self._train = lambda: _sequences(queries[train], keys[train], query_weight, query_bias, key_weight, num_heads,
                                          device)
         self.train: list[_Sequence] | None = None
+        self.products = training_products(device)  # the steps' products; held-out checks stay in float32
 
     @torch.no_grad()
     def held_out_kl(self, parameters) -> float:
@@ -200,7 +209,7 @@ class AttentionTarget:
             self.train = self._train()
         chosen = [self.train[i] for i in torch.randperm(len(self.train), generator=generator)[:sequences]]
         batch = _sampled_batch(chosen, rows, self.scaling, self.causal, generator, self.position_bias)
-        return _collaborative_kl(parameters, batch, self.scaling)
+        return _collaborative_kl(parameters, batch, self.scaling, self.products)
 
 
 def refine_attention(

@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..devices import HOST, Device, moved
-from .refinement import adam_with_held_out
+from ..devices import HOST, Device, moved, training_products
+from .refinement import adam_with_held_out, product_in
 from .rotary_ops import query_in_shared_basis, rotate_half_dims, rotate_shared_key
 from .shared_key import HeadGeometry, SharedKeyFactors, slot_frequencies
 from .value_latent import ValueLatent
@@ -87,9 +87,11 @@ class _Problem:
     With values and the output projection, the loss is the error of the layer's attention output (through the
     output projection, so heads count as much as they reach the residual stream); else the attention KL."""
 
-    def __init__(self, batch, geometry: HeadGeometry, setting: AttentionSetting, slots: torch.Tensor):
+    def __init__(self, batch, geometry: HeadGeometry, setting: AttentionSetting, slots: torch.Tensor,
+                 products: torch.dtype = torch.float32):
         queries, keys, values, positions, row_valid, key_valid = batch
         self.geometry, self.setting, self.slots = geometry, setting, slots
+        self.products = torch.float32  # the fixed target in float32; then the steps' dtype (refinement._product)
         group_of_head = geometry.group_of_head.to(keys.device)
         length = keys.shape[1]
         cos, sin = setting.cos[:length], setting.sin[:length]
@@ -119,6 +121,7 @@ class _Problem:
             if self.values is not None:
                 self.target_output = self._output(self.target_p)
                 self.output_energy = float((self.target_output**2).sum(-1)[self.rows].sum())
+        self.products = products
 
     def _log_softmax(self, scores: torch.Tensor) -> torch.Tensor:
         scores = scores * self.setting.scaling
@@ -133,17 +136,22 @@ class _Problem:
         """The layer's output (B, rows, D); with a value latent, every head averages the latent and reads its
         group's values back through `up`."""
         probabilities = probabilities.nan_to_num(0.0)
+        product = self._product
         if down is None:
-            heads = probabilities @ self.values  # (B, H, rows, d)
+            heads = product(probabilities, self.values)  # (B, H, rows, d)
         else:
-            averaged = probabilities @ (self.stacked_values @ down.T)[:, None]  # (B, H, rows, W)
-            heads = averaged @ up.transpose(-1, -2)  # each head reads the latent through its own up-projection
-        return heads.transpose(1, 2).flatten(2) @ self.setting.output_weight.T
+            averaged = product(probabilities, product(self.stacked_values, down.T)[:, None])  # (B, H, rows, W)
+            heads = product(averaged, up.transpose(-1, -2))  # each head reads the latent through its own up-projection
+        return product(heads.transpose(1, 2).flatten(2), self.setting.output_weight.T)
+
+    def _product(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        return product_in(left, right, self.products)
 
     def predicted(self, mixing: torch.Tensor, core: torch.Tensor, pass_core: torch.Tensor) -> torch.Tensor:
-        shared_key = rotate_shared_key(self.keys @ mixing.T, self.key_cos, self.key_sin, self.slots)  # (B, m, K)
+        shared_key = rotate_shared_key(self._product(self.keys, mixing.T), self.key_cos, self.key_sin,
+                                       self.slots)  # (B, m, K)
         shared_query = query_in_shared_basis(self.queries, core, pass_core, self.slots, self.geometry.rotary_dim)
-        return self._log_softmax(shared_query @ shared_key[:, None].transpose(-1, -2))
+        return self._log_softmax(self._product(shared_query, shared_key[:, None].transpose(-1, -2)))
 
     def kl_sum(self, predicted: torch.Tensor) -> torch.Tensor:
         kl = (self.target_p * (self.target - predicted)).nan_to_num(0.0).sum(-1)
@@ -214,10 +222,11 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
 
     generator = torch.Generator().manual_seed(seed)
     kl_before = held_out_kl()
+    products = training_products(device)  # the steps' products; the held-out checks stay in float32
 
     def minibatch_loss() -> torch.Tensor:
         chosen = [train[i] for i in torch.randperm(len(train), generator=generator)[:batch_sequences]]
-        problem = _Problem(_batch(chosen, query_rows, generator, device), geometry, setting, slots)
+        problem = _Problem(_batch(chosen, query_rows, generator, device), geometry, setting, slots, products)
         loss, norm = problem.loss(*parameters)
         return loss / max(norm, 1e-30)
 
