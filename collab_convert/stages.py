@@ -131,18 +131,24 @@ class ProbeTexts:
 def calibration_texts(options: CompressOptions) -> tuple[list[str], ProbeTexts]:
     """(texts the fit sees, texts a fidelity figure measures on) from --calibration.
 
-    The probe texts are the lines after the first `calibration_samples`; a file with no lines to spare lends
-    its last few, and the description says the figure is then not on held-out text."""
+    The probe texts are the lines after the first `calibration_samples`. A file with none to spare holds out its
+    last lines instead, a tenth at most, so that a gate on the figure (--min-cosine, ...) judges text the fit never
+    saw; a file of fewer than ten lines lends its last few, and the description says the figure is then not on
+    held-out text."""
     from .io.texts import read_texts
 
     texts = read_texts(options.calibration, options.calibration_samples + PROBE_TEXTS)
-    fitted = texts[: options.calibration_samples]
+    fitted, name = texts[: options.calibration_samples], text_name(options.calibration)
     if texts[options.calibration_samples:]:
         held_out = texts[options.calibration_samples:]
-        return fitted, ProbeTexts(held_out, f"{len(held_out)} held-out lines of {text_name(options.calibration)}")
+        return fitted, ProbeTexts(held_out, f"{len(held_out)} held-out lines of {name}")
+    held = min(PROBE_TEXTS, len(texts) // 10)
+    if held:
+        return texts[:-held], ProbeTexts(texts[-held:], f"{held} held-out lines of {name} (its last {held}; the fit "
+                                                        f"used the {len(texts) - held} before them)")
     reused = fitted[-PROBE_TEXTS:]
-    return fitted, ProbeTexts(reused, f"{len(reused)} lines of {text_name(options.calibration)} (also used for the fit: "
-                                      "none were left to hold out)")
+    return fitted, ProbeTexts(reused, f"{len(reused)} lines of {name} (also used for the fit: none were left to "
+                                      "hold out)")
 
 
 def mixed_calibration(source: SourceModel, options: CompressOptions, texts: list[str]) -> tuple[list[str], str]:

@@ -80,7 +80,8 @@ def test_analyze_predicts_error_per_rank_and_names_the_rank_for_a_target(tiny_be
     assert predictions[12]["mean_relative_error"] > predictions[24]["mean_relative_error"]
     assert predictions[12]["cosine_mean"] <= predictions[24]["cosine_mean"] + 1e-6
     assert all(0 <= p["mean_logit_error"] <= 1 for p in predictions.values())
-    assert "also used for the fit" in data["probe"]  # 32 lines and 512 fit samples: nothing left to hold out
+    # fewer lines than the 512 fit samples: the last tenth is held out, never fitted
+    assert "held-out lines" in data["probe"] and "the fit used" in data["probe"]
     target = data["target"]
     assert target["rank"] % 4 == 0 and target["cosine_mean"] >= 0.999
     assert data["layers"][0]["candidates"][0]["relative_error"] is not None

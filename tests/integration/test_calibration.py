@@ -74,7 +74,7 @@ def test_refinement_lowers_the_attention_kl():
 def test_compress_with_calibration_records_and_loads(tiny_bert, calibration_file, tmp_path, token_batch):
     out = tmp_path / "out"
     result = compress(str(tiny_bert), CompressOptions(rank=16, output=out, calibration=calibration_file, refine_steps=20))
-    assert result.calibration["examples"] == 32
+    assert result.calibration["examples"] == 29  # the last 3 of the 32 lines are held out for the fidelity figure
     assert all(layer.logit_error is not None and 0 < layer.logit_error < 1 for layer in result.layers)
     assert all(layer.refinement["kl_after"] <= layer.refinement["kl_before"] for layer in result.layers)
     config = json.loads((out / "config.json").read_text())

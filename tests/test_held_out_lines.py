@@ -1,0 +1,35 @@
+"""A calibrated run's fidelity figure, and the gates on it (--min-cosine, ...), judge lines the fit never saw."""
+
+from collab_convert.options import CompressOptions
+from collab_convert.stages import calibration_texts
+
+
+def _options(tmp_path, **fields) -> CompressOptions:
+    return CompressOptions(output=tmp_path / "out", **fields)
+
+
+def _file(tmp_path, count: int):
+    path = tmp_path / "texts.txt"
+    path.write_text("".join(f"line number {i} of the calibration text\n" for i in range(count)), encoding="utf-8")
+    return path
+
+
+def test_lines_past_the_fitted_samples_are_the_held_out_ones(tmp_path):
+    fitted, probe = calibration_texts(_options(tmp_path, calibration=_file(tmp_path, 100), calibration_samples=60))
+    assert len(fitted) == 60 and len(probe.texts) == 32 and not set(fitted) & set(probe.texts)
+    assert probe.description == f"32 held-out lines of {tmp_path / 'texts.txt'}"
+
+
+def test_a_file_with_none_to_spare_holds_out_its_last_tenth_from_the_fit(tmp_path):
+    fitted, probe = calibration_texts(_options(tmp_path, calibration=_file(tmp_path, 300)))  # 512 samples by default
+    assert len(fitted) == 270 and len(probe.texts) == 30 and not set(fitted) & set(probe.texts)
+    assert probe.texts[-1] == "line number 299 of the calibration text"
+    assert "30 held-out lines" in probe.description and "the fit used the 270 before them" in probe.description
+    fitted, probe = calibration_texts(_options(tmp_path, calibration=_file(tmp_path, 500)))
+    assert (len(fitted), len(probe.texts)) == (468, 32)  # 32 at most: as many as a figure needs
+
+
+def test_a_file_of_fewer_than_ten_lines_lends_them_and_says_the_figure_is_not_held_out(tmp_path):
+    fitted, probe = calibration_texts(_options(tmp_path, calibration=_file(tmp_path, 6)))
+    assert len(fitted) == 6 and probe.texts == fitted
+    assert "also used for the fit" in probe.description
