@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from calibration_documents import chosen_documents  # noqa: E402
+from calibration_documents import chosen_documents, probe_documents  # noqa: E402
 
 MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "minilm": None}
 BATCH_TOKENS = 4096
@@ -117,7 +117,7 @@ def main() -> None:
     calibration, _ = chosen_documents(args.documents, 1)
     with tempfile.TemporaryDirectory(prefix="collab-cost-") as scratch:
         text = Path(scratch) / "calibration.txt"
-        text.write_text("\n".join(calibration) + "\n")
+        text.write_text("\n".join(calibration + probe_documents(calibration)) + "\n")
         out = Path(scratch) / "out"
         command = ["collab-convert", "compress", name, *budget, "--calibration", str(text), "--calibration-samples",
                    str(len(calibration)), "--calibration-max-length", str(args.max_length), "-o", str(out), "-q",

@@ -144,3 +144,11 @@ def scaling(rank: int = 192) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def probe_documents(used: list[str], count: int = 32, avoid: list[str] = ()) -> list[str]:
+    """`count` calibration-side documents outside `used` and `avoid`. Written after the fitted documents in a
+    benchmark's calibration file (with --calibration-samples len(used)), they are the lines compress holds out to
+    measure its fidelity, so the fit sees exactly `used` (a file with no lines to spare gives a tenth of its own)."""
+    taken = set(used) | set(avoid)
+    return [text for text in documents()[0] if text not in taken][:count]

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from calibration_documents import document_runs  # noqa: E402
+from calibration_documents import document_runs, probe_documents  # noqa: E402
 from neighbour import busy_neighbour  # noqa: E402
 
 WORDS_PER_DOCUMENT = 200
@@ -111,7 +111,7 @@ def run(args) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         text = Path(scratch) / "news.txt"
-        text.write_text("\n".join(calibration) + "\n")
+        text.write_text("\n".join(calibration + probe_documents(calibration, avoid=[t for s in scored.values() for t in s])) + "\n")
         for rank in [int(r) for r in args.ranks.split(",")]:
             for name, flags in variants:
                 out = Path(scratch) / f"r{rank}-{name}"

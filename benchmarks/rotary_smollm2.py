@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from calibration_documents import documents  # noqa: E402
+from calibration_documents import documents, probe_documents  # noqa: E402
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -118,7 +118,7 @@ def main() -> None:
     prompt = held_out[0]
     with tempfile.TemporaryDirectory() as scratch:
         calibration_file = Path(scratch) / "calibration.txt"
-        calibration_file.write_text("\n".join(calibration) + "\n")
+        calibration_file.write_text("\n".join(calibration + probe_documents(calibration, avoid=held_out)) + "\n")
         for budget in [float(b) for b in args.budgets.split(",")]:
             out = Path(scratch) / f"ours-{budget}"
             started = time.perf_counter()

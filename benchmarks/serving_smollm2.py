@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from calibration_documents import chosen_documents  # noqa: E402
+from calibration_documents import chosen_documents, probe_documents  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -240,7 +240,7 @@ def run(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     sequences = token_ids(tokenizer, held_out)
     texts = work / "calibration.txt"
-    texts.write_text("\n".join(calibration) + "\n")
+    texts.write_text("\n".join(calibration + probe_documents(calibration, avoid=held_out)) + "\n")
     calibrated = ["--calibration", str(texts), "--calibration-samples", str(len(calibration)),
                   "--calibration-max-length", str(EVALUATED_TOKENS), "--refine-steps", str(args.refine_steps),
                   "--distill-steps", str(args.distill_steps), *(["--resume"] if args.resume else [])]
