@@ -153,9 +153,11 @@ def decode_speed(engine, paths: dict[str, Path], prompt: list[int], tokens: int,
 
 
 def cache_bytes(folder: Path, ids: list[int]) -> int:
+    """Bytes transformers' own cache holds after `ids`, both models in float32: compress writes a GGUF input's
+    precision (f16), the original is dequantised to float32, and the cache takes the model's dtype."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         cache = model(torch.tensor([ids]), use_cache=True).past_key_values
     return sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
