@@ -140,7 +140,8 @@ def test_an_encoder_is_distilled_on_its_sentence_embeddings(tiny_llama, tmp_path
     # shared query and key, mixing, content bias; uniform ranks: spread by energy, rank 8 on average fits this
     # tiny model to a KL of 1e-8, which leaves distillation nothing to show
     ("collaborative", {"rank": 8, "rank_spread": "uniform"}, ("mixing", "content_bias")),
-    ("shared-key", {"key_cache": 0.25}, ("pass_core", "shared_key.weight")),  # per-head queries, one shared key
+    # per-head queries, one shared key; at a quarter of the key cache the fits leave a KL of 3e-8, at an eighth 2e-7
+    ("shared-key", {"key_cache": 0.125}, ("pass_core", "shared_key.weight")),
 ])
 def test_both_forms_of_a_gpt2_are_distilled_too(form, budget, parts, tiny_llama, tmp_path):
     from fixtures.models import build_family, family_case
@@ -153,7 +154,8 @@ def test_both_forms_of_a_gpt2_are_distilled_too(form, budget, parts, tiny_llama,
     model.save_pretrained(tmp_path / "gpt2")
     save_tiny_tokenizer(tmp_path / "gpt2")
     result = compress(str(tmp_path / "gpt2"), CompressOptions(form=form, output=tmp_path / "out", calibration=texts,
-                                                              refine_steps=10, distill_steps=40, **budget))
+                                                              refine_steps=0, distill_steps=40, **budget))
+    # from the layer fits alone (no refinement), so what distillation starts from is the same on any hardware
     assert result.distillation["kl_after"] < result.distillation["kl_before"]
     names = set(tensors(tmp_path / "out"))
     assert all(any(name.endswith(f"attn.{part}") for name in names) for part in parts)
