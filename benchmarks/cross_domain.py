@@ -111,7 +111,8 @@ def run(args) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         text = Path(scratch) / "news.txt"
-        text.write_text("\n".join(calibration + probe_documents(calibration, avoid=[t for s in scored.values() for t in s])) + "\n")
+        probes = probe_documents(calibration, avoid=[t for texts in scored.values() for t in texts])
+        text.write_text("\n".join(calibration + probes) + "\n")
         for rank in [int(r) for r in args.ranks.split(",")]:
             for name, flags in variants:
                 out = Path(scratch) / f"r{rank}-{name}"

@@ -186,9 +186,12 @@ def is_collaborative(config: dict[str, Any]) -> bool:
 
 
 def write_config(original: dict[str, Any], family: str, method: str | None, layers: dict[str, dict[str, Any]],
-                 folder: Path, format_version: int = 1) -> None:
+                 folder: Path, format_version: int = 1, auto_map: dict[str, str] | None = None,
+                 projections: dict[str, str] | None = None) -> None:
     """config.json of the output: the original's, untouched `architectures`/`model_type`, plus the record (the
-    decomposition method only where one was used: the CP form's)."""
+    decomposition method only where one was used: the CP form's). Where the checkpoint carries its modeling code
+    (CHECKPOINT_CODE), `auto_map` names its classes and the record names the replaced `projections`, which that
+    code reads."""
     config = dict(original)
     record = FormatConfig(family=family, layers=layers, format_version=format_version, tool_version=__version__,
                           method=method)
@@ -197,6 +200,9 @@ def write_config(original: dict[str, Any], family: str, method: str | None, laye
         for key in ("quant_method", "format_version", "tool_version", "method", "family", "layers")
         if key != "method" or method is not None
     }
+    if auto_map:
+        config["auto_map"] = auto_map
+        config["quantization_config"]["projections"] = projections
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 

@@ -91,7 +91,7 @@ class _Problem:
                  products: torch.dtype = torch.float32):
         queries, keys, values, positions, row_valid, key_valid = batch
         self.geometry, self.setting, self.slots = geometry, setting, slots
-        self.products = torch.float32  # the fixed target in float32; then the steps' dtype (refinement._product)
+        self.products = products  # the dtype of the products that depend on the parameters (the target: float32)
         group_of_head = geometry.group_of_head.to(keys.device)
         length = keys.shape[1]
         cos, sin = setting.cos[:length], setting.sin[:length]
@@ -119,9 +119,8 @@ class _Problem:
             self.target = self._log_softmax(self.queries @ grouped.transpose(-1, -2))
             self.target_p = self.target.exp()
             if self.values is not None:
-                self.target_output = self._output(self.target_p)
+                self.target_output = self._output(self.target_p, products=torch.float32)
                 self.output_energy = float((self.target_output**2).sum(-1)[self.rows].sum())
-        self.products = products
 
     def _log_softmax(self, scores: torch.Tensor) -> torch.Tensor:
         scores = scores * self.setting.scaling
@@ -132,11 +131,15 @@ class _Problem:
         return torch.log_softmax(scores.masked_fill(~self.allowed, float("-inf")), dim=-1)
 
     def _output(self, probabilities: torch.Tensor, down: torch.Tensor | None = None,
-                up: torch.Tensor | None = None) -> torch.Tensor:
+                up: torch.Tensor | None = None, products: torch.dtype | None = None) -> torch.Tensor:
         """The layer's output (B, rows, D); with a value latent, every head averages the latent and reads its
-        group's values back through `up`."""
+        group's values back through `up`. Its products run in `products` (None: the problem's own)."""
         probabilities = probabilities.nan_to_num(0.0)
-        product = self._product
+        dtype = products or self.products
+
+        def product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+            return product_in(left, right, dtype)
+
         if down is None:
             heads = product(probabilities, self.values)  # (B, H, rows, d)
         else:

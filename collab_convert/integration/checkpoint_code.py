@@ -26,6 +26,7 @@ import re
 import sys
 
 import torch
+import transformers  # noqa: F401 - the classes appended for each checkpoint subclass transformers' own
 from torch import nn
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

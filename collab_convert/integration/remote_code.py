@@ -9,7 +9,6 @@ travels with the checkpoint (checkpoint_code.py, copied as `collaborative_modeli
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..format import CHECKPOINT_CODE
@@ -33,16 +32,13 @@ def _auto_classes(model_type: str, architecture: str) -> list[str]:
     return sorted(found)
 
 
-def write_checkpoint_code(folder: Path, query: str, key: str) -> dict[str, str]:
-    """Write collaborative_modeling.py for a checkpoint whose attention modules name their projections `query`
-    and `key`, add config.json's `auto_map`, and name the projections in the record (`projections`: the code
-    reads them there); returns the map (empty where transformers knows no class to build: the checkpoint then
+def write_checkpoint_code(folder: Path, config: dict) -> dict[str, str]:
+    """Write collaborative_modeling.py for a checkpoint of the model `config` describes; returns config.json's
+    `auto_map` for it (empty, and nothing written, where transformers knows no class to build: the checkpoint then
     keeps its load guards alone)."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
     model_type = config.get("model_type", "")
     architectures = [a for a in (config.get("architectures") or []) if hasattr(transformers, a)]
     base = MODEL_MAPPING_NAMES.get(model_type)
@@ -58,9 +54,5 @@ def write_checkpoint_code(folder: Path, query: str, key: str) -> dict[str, str]:
     for architecture in dict.fromkeys(classes):
         code += (f"\n\nclass Collaborative{architecture}(transformers.{architecture}):\n"
                  f'    """transformers\' {architecture}; the quantizer above swaps its attention into the CP form."""\n')
-    code = code.replace("\nimport torch\n", "\nimport torch\nimport transformers\n", 1)
     (folder / CHECKPOINT_CODE).write_text(code, encoding="utf-8")
-    config["auto_map"] = auto_map
-    config["quantization_config"]["projections"] = {"query": query, "key": key}
-    config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return auto_map

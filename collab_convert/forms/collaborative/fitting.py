@@ -190,7 +190,10 @@ def write_format_config(source: SourceModel, reports: list[CollaborativeLayerRep
     layers = {r.name: FormatConfig.layer_entry(r.rank, HeadCounts(r.num_heads, by_prefix[r.name].kv_heads),
                                                by_prefix[r.name].stores_content_bias(calibrated))
               for r in reports}
-    write_config(source.config, source.family.name, method, layers, folder)
     offer = source.family.offer(COLLABORATIVE_FORM)
-    if offer.carries_code:  # loadable with trust_remote_code=True where collab-convert is not installed
-        write_checkpoint_code(folder, offer.layout.query, offer.layout.key)
+    # loadable with trust_remote_code=True where collab-convert is not installed
+    auto_map = write_checkpoint_code(folder, source.config) if offer.carries_code else {}
+    # the carried code reads the names of the projections it replaces from the record (separate ones, where it goes)
+    projections = {"query": offer.layout.query, "key": offer.layout.key} if auto_map else None
+    write_config(source.config, source.family.name, method, layers, folder, auto_map=auto_map,
+                 projections=projections)
