@@ -140,17 +140,20 @@ def test_an_encoder_is_distilled_on_its_sentence_embeddings(tiny_llama, tmp_path
     # shared query and key, mixing, content bias; uniform ranks: spread by energy, rank 8 on average fits this
     # tiny model to a KL of 1e-8, which leaves distillation nothing to show
     ("collaborative", {"rank": 8, "rank_spread": "uniform"}, ("mixing", "content_bias")),
-    # per-head queries, one shared key; at a quarter of the key cache the fits leave a KL of 3e-8, at an eighth 2e-7
-    ("shared-key", {"key_cache": 0.125}, ("pass_core", "shared_key.weight")),
+    ("shared-key", {"key_cache": 0.25}, ("pass_core", "shared_key.weight")),  # per-head queries, one shared key
 ])
 def test_both_forms_of_a_gpt2_are_distilled_too(form, budget, parts, tiny_llama, tmp_path):
     from fixtures.models import build_family, family_case
 
     _, texts = tiny_llama
     model = build_family(family_case("gpt2"), tmp_path / "gpt2")
-    with torch.no_grad():  # scores that matter, as above (c_attn holds queries and keys first)
+    # Scores that matter, as above (c_attn holds queries and keys first), and attention outputs that reach the
+    # logits: without the second, the fits left a KL of 1e-7 to 1e-8, where distillation gained on two threads and
+    # not on one (a busy neighbour leaves one), so the test depended on the machine's load.
+    with torch.no_grad():
         for block in model.transformer.h:
             block.attn.c_attn.weight[:, : 2 * 32].mul_(30)
+            block.attn.c_proj.weight.mul_(10)
     model.save_pretrained(tmp_path / "gpt2")
     save_tiny_tokenizer(tmp_path / "gpt2")
     result = compress(str(tmp_path / "gpt2"), CompressOptions(form=form, output=tmp_path / "out", calibration=texts,
