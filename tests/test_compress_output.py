@@ -190,3 +190,6 @@ def test_analyze_is_called_as_compress_is_and_predicts_the_fit_compress_writes(t
     written = compress(str(tiny_bert), CompressOptions(rank=8, output=tmp_path / "out"))
     assert [layer.candidates[0]["relative_error"] for layer in predicted.layers] == \
         [round(layer.relative_error, 6) for layer in written.layers]
+    # one HOSVD serves analyze's spectra and its fits, computed as compress computes the spectra it reports
+    assert [layer.spectra["query_unfolding"] for layer in predicted.layers] == \
+        [layer.query_spectrum for layer in written.layers]

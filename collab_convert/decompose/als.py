@@ -23,6 +23,11 @@ ALS_DTYPE = torch.float32
 SHARED_START_RANKS_PER_HEAD = 4
 
 
+def starts_shared(products: HeadProducts, rank: int) -> bool:
+    """Whether a weight-only fit at this rank tries the shared-subspace start (and so reads the HOSVD's vectors)."""
+    return rank <= SHARED_START_RANKS_PER_HEAD * products.num_heads
+
+
 def per_head_truncation(products: HeadProducts, rank: int) -> CollaborativeFactors:
     """The best block-diagonal collaborative form: each head keeps its own leading singular directions.
 
@@ -36,16 +41,13 @@ def _per_head_truncation(products: HeadProducts, rank: int) -> tuple[Collaborati
     """(the best per-head truncation, its relative error): the error is the energy of the singular values
     it drops, exact and without cancellation."""
     heads, d_k, _ = products.query_heads.shape
-    # T_i = Q_i^T K_i = (Uq Rq)... : thin QR of each side, then an SVD of the d_k x d_k middle.
-    qa, ra = products.head_bases("query")  # (H, D, d), (H, d, d)
-    qb, rb = products.head_bases("key")
-    u, s, vh = torch.linalg.svd(ra @ rb.transpose(1, 2))  # (H, d, d)
-    left = qa @ u  # (H, D, d)
-    right = qb @ vh.transpose(1, 2)
+    left, s, right = products.head_svd()  # (H, D, d), (H, d), (H, D, d)
     order = torch.argsort(s.reshape(-1), descending=True, stable=True)[:rank]
     energy = s.reshape(-1) ** 2
     total = float(energy.sum())
-    error = math.sqrt(max(total - float(energy[order].sum()), 0.0) / total) if total > 0 else 0.0
+    dropped = torch.ones_like(energy, dtype=torch.bool)
+    dropped[order] = False  # the energy left out, summed as itself: no cancellation against the total
+    error = math.sqrt(float(energy[dropped].sum()) / total) if total > 0 else 0.0
     head_of = order // d_k
     index_in_head = order % d_k
     # Keep each head's directions together and in order, which makes the result easy to read and stable.
@@ -143,7 +145,7 @@ def fit_collaborative(
     """
     if rank < 1:
         raise ValueError(f"rank must be at least 1, got {rank}")
-    tries_shared = rank <= SHARED_START_RANKS_PER_HEAD * products.num_heads
+    tries_shared = starts_shared(products, rank)
     if subspaces is None or (tries_shared and subspaces.query_basis is None):
         subspaces = tucker_subspaces(products, bases=tries_shared)
     truncation, truncation_error = _per_head_truncation(products, rank)
@@ -160,7 +162,8 @@ def fit_collaborative(
     factors = factors.balanced()
     return FitResult(
         factors=factors,
-        relative_error=relative_error(products, factors),
+        # a start kept as it was has its error already (the truncation's exact, without cancellation)
+        relative_error=relative_error(products, factors) if iterations else errors[init_name],
         initial_error=errors[init_name],
         initialisation=init_name,
         iterations=iterations,
@@ -241,11 +244,9 @@ class _FactoredALS:
     def __init__(self, core: HeadProducts, dtype: torch.dtype, device: str | torch.device = "cpu"):
         self.norm = core.squared_norm()
         self.head_shape = core.query_heads.shape[:2]  # (N_h, d_k)
-        self.query_rows, self.key_rows = (  # (N_h d_k, D_in): every head's rows, stacked
-            heads.reshape(-1, heads.shape[2]).to(device=device, dtype=dtype)
-            for heads in (core.query_heads, core.key_heads)
-        )
-        self.query_cross, self.key_cross = (rows @ rows.T for rows in (self.query_rows, self.key_rows))
+        # (N_h d_k, D_in): every head's rows, stacked, and their Gram matrices
+        self.query_rows, self.query_cross = core.row_gram("query", dtype, device)
+        self.key_rows, self.key_cross = core.row_gram("key", dtype, device)
 
     def start(self, k, m, error: float) -> _ALSState:
         """A state whose key side is ready for a sweep: a sweep's first update reads only the key factor and the

@@ -31,6 +31,9 @@ class HeadProducts:
     # ||T||^2 and each side's per-head QR, once: a fit's starts, spectra and errors all read them
     _squared_norm: float | None = field(default=None, init=False, repr=False, compare=False)
     _head_bases: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # what every fit of this layer recomputes otherwise (analyze fits one layer at several ranks)
+    _head_svd: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _row_grams: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_projections(cls, query_weight: torch.Tensor, key_weight: torch.Tensor, num_heads: int) -> "HeadProducts":
@@ -77,6 +80,26 @@ class HeadProducts:
             heads = self.query_heads if side == "query" else self.key_heads
             self._head_bases[side] = torch.linalg.qr(heads.transpose(1, 2), mode="reduced")
         return self._head_bases[side]
+
+    def head_svd(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every head's product in singular form, T_i = left_i diag(s_i) right_i^T: (left (N_h, D_in, d_k),
+        s (N_h, d_k), right (N_h, D_in, d_k)), from the two sides' QR and an SVD of the d_k x d_k middle."""
+        if self._head_svd is None:
+            qa, ra = self.head_bases("query")
+            qb, rb = self.head_bases("key")
+            u, s, vh = torch.linalg.svd(ra @ rb.transpose(1, 2))  # (H, d, d)
+            self._head_svd = qa @ u, s, qb @ vh.transpose(1, 2)
+        return self._head_svd
+
+    def row_gram(self, side: str, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, rows rows^T): every head's rows on one side stacked (N_h d_k x D_in) in `dtype` on `device`,
+        and their Gram matrix."""
+        key = (side, dtype, str(device))
+        if key not in self._row_grams:
+            heads = self.query_heads if side == "query" else self.key_heads
+            rows = heads.reshape(-1, heads.shape[2]).to(device=device, dtype=dtype)
+            self._row_grams[key] = rows, rows @ rows.T
+        return self._row_grams[key]
 
     def dense(self) -> torch.Tensor:
         """The dense N_h x D_in x D_in tensor. For tests and the reference method only."""

@@ -38,23 +38,35 @@ def _side_matrix(heads: torch.Tensor, other_triangle: torch.Tensor) -> torch.Ten
     return blocks.permute(1, 0, 2).reshape(heads.shape[2], -1)
 
 
-def head_gram(products: HeadProducts) -> torch.Tensor:
-    """<T_i, T_j> = tr((Q_i Q_j^T)(K_j K_i^T)), an N_h x N_h matrix from d_k-sized blocks."""
-    qq = torch.einsum("iad,jbd->ijab", products.query_heads, products.query_heads)
-    kk = torch.einsum("iad,jbd->ijab", products.key_heads, products.key_heads)
-    return torch.einsum("ijab,ijab->ij", qq, kk)
+def head_gram(products: HeadProducts, dtype: torch.dtype = COMPUTE_DTYPE) -> torch.Tensor:
+    """<T_i, T_j> = tr((Q_i Q_j^T)(K_j K_i^T)), an N_h x N_h matrix from the d_k-sized blocks of the stacked
+    rows' Gram matrices (those the fits use, in float32)."""
+    heads, d_k = products.num_heads, products.head_dim
+    qq, kk = (products.row_gram(side, dtype, "cpu")[1].reshape(heads, d_k, heads, d_k)
+              for side in ("query", "key"))
+    return torch.einsum("iajb,iajb->ij", qq, kk).to(COMPUTE_DTYPE)
 
 
-def spectra(products: HeadProducts) -> Spectra:
-    total = products.full_rank
-    q_proj = products.query_heads.reshape(total, -1)
-    k_proj = products.key_heads.reshape(total, -1)
-    head_eigs = torch.linalg.eigvalsh(head_gram(products)).flip(0).clamp_min(0).sqrt()
+def spectra(products: HeadProducts, unfoldings: tuple[torch.Tensor, torch.Tensor] | None = None) -> Spectra:
+    """Every view's singular values, to float32 resolution: values under RESOLUTION of the largest read as zero.
+
+    `unfoldings`: the query- and key-side values where the caller has them already (the HOSVD that the fits
+    read computes them the same way, so the report's spectra are those compress reports). Through the Gram
+    matrix's eigenvalues in float32 they cost a third of a float64 SVD, and the weights were float32 anyway.
+    """
+    from .tucker import row_singular_values, singular_values
+
+    if unfoldings is None:
+        unfoldings = singular_values(query_side_matrix(products)), singular_values(key_side_matrix(products))
+    head_eigs = torch.linalg.eigvalsh(head_gram(products, torch.float32)).flip(0).clamp_min(0).sqrt()
+    # the projections' spectra from their rows' Gram matrices, which the fits compute anyway
+    query_rows, query_gram = products.row_gram("query", torch.float32, "cpu")
+    key_rows, key_gram = products.row_gram("key", torch.float32, "cpu")
     return Spectra(
-        query_projection=torch.linalg.svdvals(q_proj),
-        key_projection=torch.linalg.svdvals(k_proj),
-        query_unfolding=torch.linalg.svdvals(query_side_matrix(products)),
-        key_unfolding=torch.linalg.svdvals(key_side_matrix(products)),
+        query_projection=row_singular_values(query_rows, query_gram),
+        key_projection=row_singular_values(key_rows, key_gram),
+        query_unfolding=unfoldings[0],
+        key_unfolding=unfoldings[1],
         head_unfolding=head_eigs,
     )
 

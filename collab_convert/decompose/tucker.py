@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .products import HeadProducts
+from .products import COMPUTE_DTYPE, HeadProducts
 from .spectra import key_side_matrix, query_side_matrix
 
 
@@ -20,7 +20,33 @@ class TuckerSubspaces:
     key_singular_values: torch.Tensor
 
 
-def tucker_subspaces(products: HeadProducts, rtol: float = 1e-3, bases: bool = True) -> TuckerSubspaces:
+# Singular values under this share of the largest read as zero: float32 Gram eigenvalues resolve singular values to
+# ~3e-4 of the largest, and what lies below 1e-3 holds under 1e-6 of the energy.
+RESOLUTION = 1e-3
+
+
+def singular_values(matrix: torch.Tensor) -> torch.Tensor:
+    """All singular values of a matrix, largest first, to float32 resolution (those under RESOLUTION of the
+    largest are zero)."""
+    return _left_singular(matrix, RESOLUTION, vectors=False)[1].to(COMPUTE_DTYPE)
+
+
+def row_singular_values(rows: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """singular_values(rows), given rows @ rows.T (float32) already: from that Gram where it is the smaller one."""
+    if rows.shape[0] > rows.shape[1]:
+        return singular_values(rows)
+    energy = torch.linalg.eigvalsh(gram.to(torch.float32)).to(COMPUTE_DTYPE).flip(0)
+    return _zero_unresolved(energy.clamp_min(0).sqrt(), RESOLUTION)
+
+
+def _zero_unresolved(singular: torch.Tensor, rtol: float) -> torch.Tensor:
+    """Singular values (largest first) with those under rtol of the largest set to zero."""
+    if not singular.numel() or singular[0] <= 0:
+        return torch.zeros_like(singular)
+    return torch.where(singular > rtol * singular[0], singular, torch.zeros_like(singular))
+
+
+def tucker_subspaces(products: HeadProducts, rtol: float = RESOLUTION, bases: bool = True) -> TuckerSubspaces:
     """HOSVD of T restricted to its numerical support; with bases=False, only its spectra (eigenvalues alone
     take under half the time of an eigendecomposition with vectors).
 
@@ -53,9 +79,8 @@ def _left_singular(matrix: torch.Tensor, rtol: float, vectors: bool = True) -> t
     singular = energy.clamp_min(0).sqrt()
     if not singular.numel() or singular[0] <= 0:
         return (torch.eye(rows, 1, dtype=matrix.dtype) if vectors else None), matrix.new_zeros(min(rows, cols))
-    resolved = singular > rtol * singular[0]
-    keep = max(int(resolved.sum()), 1)
-    singular = torch.where(resolved, singular, torch.zeros_like(singular))
+    singular = _zero_unresolved(singular, rtol)
+    keep = max(int((singular > 0).sum()), 1)
     if found is None:
         left = None
     elif rows <= cols:

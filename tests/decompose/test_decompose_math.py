@@ -150,6 +150,27 @@ def test_spectra_match_dense_unfoldings():
     assert torch.allclose(s.head_unfolding, torch.linalg.svdvals(t.reshape(3, -1)), atol=1e-7)
 
 
+@pytest.mark.parametrize("heads, head_dim, d_in", [(4, 6, 30), (4, 8, 20)])  # wide and tall projections
+def test_every_spectrum_matches_an_svd_to_float32_resolution_and_zeroes_what_it_cannot_resolve(heads, head_dim, d_in):
+    products = random_products(heads=heads, head_dim=head_dim, d_in=d_in, seed=9, shared=5)
+    s = spectra(products)
+    dense = products.dense()
+    views = {
+        "query_projection": products.query_heads.reshape(heads * head_dim, -1),
+        "key_projection": products.key_heads.reshape(heads * head_dim, -1),
+        "query_unfolding": dense.permute(1, 0, 2).reshape(d_in, -1),
+        "key_unfolding": dense.permute(2, 0, 1).reshape(d_in, -1),
+    }
+    for name, matrix in views.items():
+        exact = torch.linalg.svdvals(matrix)
+        found = getattr(s, name)
+        assert found.dtype == torch.float64 and len(found) == min(d_in, heads * head_dim), name
+        exact = exact[: len(found)]  # an unfolding has no more than N_h d_k nonzero values
+        resolved = exact > 1e-2 * exact[0]
+        assert torch.allclose(found[resolved], exact[resolved], rtol=1e-4), name
+        assert torch.all(found[exact < 1e-6 * exact[0]] == 0), name  # rank 5: the rest is rounding, shown as zero
+
+
 def test_energy_rank_counts_leading_dimensions():
     values = torch.tensor([3.0, 2.0, 1.0, 0.0])  # energies 9, 4, 1 of 14
     assert energy_rank(values, 0.5) == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ...architectures.lookup import forms_offered
 from ...architectures.source import SourceModel
+from ...decompose.als import starts_shared
 from ...decompose.costs import candidate_ranks, collaborative_cost, original_cost
 from ...decompose.methods import FitRequest, method_named
 from ...decompose.spectra import energy_rank, spectra
@@ -47,7 +48,11 @@ def _statistics(source: SourceModel, settings: CompressOptions, progress: Progre
 
 def _analyze_layer(source: SourceModel, layer, ranks: list[int], metrics, device: str = "cpu") -> LayerAnalysis:
     products = source.read_projections(layer).products(layer.shape.num_heads)
-    spec = spectra(products)
+    metric = metrics[layer.prefix] if metrics else None
+    # one HOSVD for the spectra and every candidate rank's weight-only fit; its vectors only where a fit reads them
+    subspaces = tucker_subspaces(products, bases=metric is None and any(
+        starts_shared(products, min(rank, layer.shape.key_dim)) for rank in ranks))
+    spec = spectra(products, (subspaces.query_singular_values, subspaces.key_singular_values))
     views = {
         "query_projection": spec.query_projection,
         "key_projection": spec.key_projection,
@@ -55,14 +60,12 @@ def _analyze_layer(source: SourceModel, layer, ranks: list[int], metrics, device
         "key_unfolding": spec.key_unfolding,
         "head_unfolding": spec.head_unfolding,
     }
-    metric = metrics[layer.prefix] if metrics else None
-    subspaces = None if metric else tucker_subspaces(products)  # one HOSVD for every candidate rank's fit
     candidates = []
     for rank in ranks:
         at = min(rank, layer.shape.key_dim)
         fit = method_named(DEFAULT_METHOD).fit(FitRequest(
             products, at, device=device, query_metric=metric.query if metric else None,
-            key_metric=metric.key if metric else None, subspaces=subspaces,
+            key_metric=metric.key if metric else None, subspaces=None if metric else subspaces,
         ))
         cost = collaborative_cost(layer.shape, at, layer.stores_content_bias(metric is not None))
         cost = cost.cached(layer.caches_keys).as_dict()
