@@ -51,6 +51,9 @@ def _export_onnx(model: str, options: ExportOptions, progress: Progress = no_pro
     require_onnx()
     folder = resolve_model(model)
     output = options.output.expanduser().resolve()
+    if output.suffix.lower() == ".onnx":  # a user naming the file would get a folder of that name
+        raise BadInputError(f"an ONNX export is a folder (model.onnx, config.json and the tokenizer files): name the "
+                            f"folder, e.g. -o {output.with_suffix('').name}-onnx, not '{output.name}'")
     check_output(output, folder, options.overwrite)
     progress("loading", 0, 1)
     wrapper, kind = _wrapped(folder, EncoderOutputs, LanguageModelOutputs)

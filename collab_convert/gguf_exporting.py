@@ -34,6 +34,7 @@ def export_gguf(model: str, options: ExportOptions, progress: Progress) -> Expor
     folder = resolve_model(model)
     target = _target(options, folder)
     staging = target.with_name(f".{target.name}.collab-tmp-{os.getpid()}")
+    target.parent.mkdir(parents=True, exist_ok=True)  # as compress's -o: missing folders are made
     try:
         details = write_gguf(folder, staging, options.dtype, progress)
         progress("checking the GGUF", 0, 1)
@@ -66,8 +67,8 @@ def _target(options: ExportOptions, folder: Path) -> Path:
         raise OutputExistsError(f"output {target} is a folder")
     if target.exists() and not options.overwrite:
         raise OutputExistsError(f"output {target} exists; pass --overwrite to replace it")
-    if not target.parent.is_dir():
-        raise BadInputError(f"the folder {target.parent} does not exist")
+    if target.parent.exists() and not target.parent.is_dir():
+        raise BadInputError(f"{target.parent} is a file, not a folder to write {target.name} into")
     return target
 
 

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from .decompose.methods import METHODS
 
@@ -36,6 +36,19 @@ def _known_device(value: str) -> str:
 DeviceName = Annotated[str, AfterValidator(_known_device)]  # every job's --device, checked by one rule
 
 
+def _named(value):
+    # an empty -o would read as the current folder: never what was meant
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("give a name to write to (an empty path would mean the current folder)")
+    return value
+
+
+OutputPath = Annotated[Path, BeforeValidator(_named)]  # every job's -o
+
+# NaN passes no comparison, so a bound like `le=1` would name the wrong fault; every float option must be finite
+OPTIONS = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
 # gate -> (the measured figure it reads, passes(value, threshold)); the figures are those of fidelity measurements
 # (compress's `fidelity`, verify's result)
 _GATES = {
@@ -50,7 +63,7 @@ class FidelityGates(BaseModel):
     """Thresholds on measured fidelity (exit 1 where one fails): verify measures on --texts, compress on held-out
     --calibration lines."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = OPTIONS
 
     min_cosine: float | None = Field(None, description="Exit 1 if the mean cosine of final hidden states to the "
                                      "original's is below this (measured on held-out lines).")
@@ -87,7 +100,7 @@ class _ModelInputs(BaseModel):
     """Options shared by analyze and compress: the form to compress into, and the real inputs a job may run the
     model on."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = OPTIONS
 
     # architectures/families.py: rotary decoders take the shared-key form only; GPT-2, OPT, GPTBigCode, BART and
     # T5 offer it
@@ -194,9 +207,10 @@ class CompressOptions(_ModelInputs, FidelityGates):
         "lengths: each line, one of its sentences, and windows past its first; lengths+built-in: also built-in "
         "English lines of many styles. auto: as-given (language models always).",
     )
-    output: Path = Field(
+    output: OutputPath = Field(
         description="Folder to write the collaborative checkpoint to.",
-        json_schema_extra={"flags": ["--output", "-o"]},
+        # read as typed: as a Path, an empty -o would already be "."
+        json_schema_extra={"flags": ["--output", "-o"], "cli_type": str, "metavar": "PATH"},
     )
     # Language models calibrate on built-in English text unless given --calibration (stages.decoder_calibration)
     weight_only: bool = Field(False, description="Language models: fit from the weights alone instead of on the "
@@ -292,14 +306,15 @@ class AnalyzeOptions(_ModelInputs):
 class ExportOptions(BaseModel):
     """What `export` writes: a runtime format of a compressed checkpoint (or of any model it can load)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = OPTIONS
 
     format: Literal["onnx", "gguf"] = Field(
         "onnx", description="onnx (a folder: model.onnx and the tokenizer, checked in onnxruntime), or gguf (one .gguf "
         "file for llama.cpp: stock llama, mistral and qwen2 checkpoints, such as compress --kv-cache writes).")
-    output: Path = Field(
+    output: OutputPath = Field(
         description="Where to write: a folder for onnx, a .gguf file for gguf.",
-        json_schema_extra={"flags": ["--output", "-o"]},
+        # read as typed: as a Path, an empty -o would already be "."
+        json_schema_extra={"flags": ["--output", "-o"], "cli_type": str, "metavar": "PATH"},
     )
     overwrite: bool = Field(False, description="Replace OUTPUT if it exists (and, for a folder, is not empty).")
     # the runtime against PyTorch on the built-in sentences; a larger difference is an error, never a silent file

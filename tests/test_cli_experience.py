@@ -218,3 +218,23 @@ def test_analyze_piped_and_quiet_prints_no_stage_lines(tiny_bert, capsys, monkey
     monkeypatch.setattr(render, "STAGE_LINE_AFTER", 0.0)
     assert main(["analyze", str(tiny_bert), "-q"]) == 0
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("arguments, flag, says", [
+    (["compress", "--rank", "8", "--kv-cache", "nan"], "--kv-cache", "finite number"),
+    (["compress", "--rank", "auto", "--target-cosine", "inf"], "--target-cosine", "finite number"),
+    (["compress", "--rank", "8", "--min-cosine", "nan", "--calibration", "x.txt"], "--min-cosine", "finite number"),
+    (["compress", "--rank", "8", "-o", ""], "--output", "give a name"),
+    (["export", "-o", " "], "--output", "give a name"),
+])
+def test_a_value_no_run_could_mean_is_a_usage_error_naming_its_flag(tiny_bert, tmp_path, monkeypatch, capsys,
+                                                                   arguments, flag, says):
+    monkeypatch.chdir(tmp_path)  # an empty -o must not become this folder
+    command, rest = arguments[0], arguments[1:]
+    if "-o" not in rest:
+        rest += ["-o", "out"]
+    capsys.readouterr()
+    assert main([command, str(tiny_bert), *rest]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and says in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-bert"]

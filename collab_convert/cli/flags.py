@@ -53,7 +53,8 @@ def with_options(options_model, after: str):
                 inspect.Parameter.KEYWORD_ONLY,
                 default=typer.Option(... if field.is_required() else field.default, *flags_of(name, field),
                                      help=field.description, show_default=not field.is_required(),
-                                     rich_help_panel=panel_of(name)),
+                                     rich_help_panel=panel_of(name),
+                                     metavar=(field.json_schema_extra or {}).get("metavar")),
                 annotation=cli_type(field),
             )
             for name, field in sorted(options_model.model_fields.items(), key=_by_panel(options_model))

@@ -78,6 +78,12 @@ def test_what_it_cannot_write_is_refused_in_one_line(stock, what, why, tmp_path,
     assert (not target.exists()) or target.read_text() == "keep me"
 
 
+def test_missing_folders_before_the_file_are_made_as_compress_makes_its_output(stock, tmp_path):
+    target = tmp_path / "releases" / "v1" / "model.gguf"
+    assert main(["export", str(stock / "mq"), "--format", "gguf", "-o", str(target)]) == 0
+    assert target.is_file() and [p.name for p in target.parent.iterdir()] == ["model.gguf"]
+
+
 def test_the_cli_names_what_it_checked(stock, tmp_path, capsys):
     capsys.readouterr()
     assert main(["export", str(stock / "mq"), "--format", "gguf", "-o", str(tmp_path / "m.gguf"), "--json"]) == 0

@@ -114,3 +114,13 @@ def test_export_refuses_a_folder_that_is_no_model_and_writes_nothing(tmp_path):
     code = main(["export", str(tmp_path / "empty"), "-o", str(tmp_path / "onnx")])
     assert code == 3
     assert not (tmp_path / "onnx").exists()
+
+
+def test_an_onnx_file_name_is_refused_naming_the_folder_to_give(tiny_bert, tmp_path, capsys):
+    from collab_convert.cli import main
+
+    capsys.readouterr()
+    code = main(["export", str(tiny_bert), "-o", str(tmp_path / "model.onnx")])
+    err = capsys.readouterr().err
+    assert code == 3 and "-o model-onnx" in err and err.count("\n") == 1
+    assert not (tmp_path / "model.onnx").exists()
