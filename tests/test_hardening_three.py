@@ -59,6 +59,8 @@ def changed_copy(source, target, **changes):
     ({"rope_parameters": {"rope_type": "default", "rope_theta": -5.0}}, "rope_theta is -5.0"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "rope_theta is 0"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0}}, "transformers cannot read"),
+    # transformers' first line only introduces the fault ("... for field 'intermediate_size':"): name it too
+    ({"intermediate_size": "128"}, "expected int, got str"),
 ])
 @pytest.mark.parametrize("command", ["compress", "analyze"])
 def test_a_config_transformers_could_not_load_over_its_weights_is_refused(llama, tmp_path, capsys, changes,

@@ -215,7 +215,10 @@ def _rope_summary(config) -> str:
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
+    """The error's first line, and the one after where the first only introduces it ("... for field 'x':")."""
+    text = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     line = text[0] if text else type(error).__name__
+    if line.endswith(":") and len(text) > 1:
+        line = f"{line} {text[1]}"
     return line if len(line) <= 200 else line[:197] + "..."
 
