@@ -263,3 +263,15 @@ def test_a_tokenizer_is_read_once_per_process_until_its_files_change(tiny_bert):
     changed = tiny_bert / "tokenizer.json"
     os.utime(changed, ns=(changed.stat().st_atime_ns, changed.stat().st_mtime_ns + 10**9))
     assert load_tokenizer(tiny_bert, "calibration") is not first
+
+
+def test_next_token_figures_formed_a_few_positions_at_a_time_equal_the_whole_matrices():
+    from collab_convert.integration.fidelity import DISTRIBUTION_ROWS, _next_token_agreement
+
+    generator = torch.Generator().manual_seed(3)
+    base = torch.randn(3 * DISTRIBUTION_ROWS + 5, 500, generator=generator).to(torch.bfloat16)
+    model = (base.float() + 0.5 * torch.randn(base.shape, generator=generator)).to(torch.bfloat16)
+    p, q = torch.log_softmax(base.float(), -1), torch.log_softmax(model.float(), -1)
+    agree, kl_sum = _next_token_agreement(base, model)
+    assert agree == int((p.argmax(-1) == q.argmax(-1)).sum()) and 0 < agree < len(base)
+    assert kl_sum == pytest.approx(float((p.exp() * (p - q)).sum()), rel=1e-5)
