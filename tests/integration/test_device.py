@@ -166,7 +166,9 @@ def test_a_calibrated_analysis_runs_on_the_device_it_is_given(tmp_path, monkeypa
     save_tiny_tokenizer(tmp_path / "in")
     texts = tmp_path / "texts.txt"
     texts.write_text("\n".join(TEXTS) + "\n")
-    options = AnalyzeOptions(ranks=[8, 16], calibration=texts, calibration_samples=24)
+    # one thread, so the layers are analysed in this thread, where the stand-in's per-thread mode counts what ran
+    # (on an idle machine two threads put them on workers, where it does not reach; the fits name their device)
+    options = AnalyzeOptions(ranks=[8, 16], calibration=texts, calibration_samples=24, threads=1)
     host = analyze(str(tmp_path / "in"), options=options)
     with stand_in_device() as ran:
         device = analyze(str(tmp_path / "in"), options=options.model_copy(update={"device": str(STAND_IN)}))
