@@ -129,6 +129,20 @@ def test_analyze_draws_spectra(tiny_bert, tmp_path):
     json.loads(result.stdout)  # the plot does not disturb the JSON on stdout
 
 
+def test_analyze_makes_the_plots_folders_and_refuses_an_unwritable_one_before_any_work(tiny_bert, tmp_path,
+                                                                                       capsys, monkeypatch):
+    plot = tmp_path / "reports" / "today" / "spectra.svg"
+    assert main(["analyze", str(tiny_bert), "--plot", str(plot), "--json"]) == 0 and plot.is_file()
+    (tmp_path / "taken").write_text("a file where a folder should be")
+    from collab_convert import analysis
+
+    monkeypatch.setattr(analysis, "open_model", lambda *a, **k: pytest.fail("the model was opened"))
+    capsys.readouterr()
+    assert main(["analyze", str(tiny_bert), "--plot", str(tmp_path / "taken" / "spectra.svg")]) == 3
+    error = capsys.readouterr().err
+    assert error.startswith("error: cannot write the plot to") and error.count("\n") == 1
+
+
 def test_analyze_refuses_a_plot_that_is_not_svg(tiny_bert, tmp_path, capsys):
     assert main(["analyze", str(tiny_bert), "--plot", str(tmp_path / "spectra.png")]) != 0
     error = capsys.readouterr().err

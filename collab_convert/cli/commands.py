@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -26,6 +27,17 @@ from .render import (
 MODEL_HELP = "A local model folder or a hub id in the local Hugging Face cache (default: the embedded all-MiniLM-L6-v2)."
 JSON_HELP = "Print one JSON object on stdout and nothing else."
 QUIET_HELP = "No progress output."
+
+
+def _check_plot_path(plot: Path) -> None:
+    """Missing folders before the plot are made (as compress's -o); a folder in its place, or one that cannot be
+    made, is a one-line error."""
+    if plot.is_dir():
+        raise BadInputError(f"cannot write the plot to {plot}: it is a folder")
+    try:
+        plot.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as failure:
+        raise BadInputError(f"cannot write the plot to {plot}: {failure.strerror or failure}") from None
 
 
 @app.command()
@@ -55,6 +67,8 @@ def analyze(
     from ..analysis import analyze as run_analyze
     from ..io.folders import DEFAULT_MODEL
 
+    if chosen.plot is not None:  # before the work: a plot that cannot be written must not cost the analysis
+        _check_plot_path(chosen.plot)
     result = run_with_progress(run_analyze, model or DEFAULT_MODEL, chosen, show=not as_json, stage_lines=True)
     if chosen.plot is not None:
         from ..forms import form_named
