@@ -52,18 +52,10 @@ def head_gram(products: HeadProducts, dtype: torch.dtype = COMPUTE_DTYPE) -> tor
 RESOLUTION = 1e-3
 
 
-def singular_values(matrix: torch.Tensor) -> torch.Tensor:
+def singular_values(matrix: torch.Tensor, row_gram: torch.Tensor | None = None) -> torch.Tensor:
     """All singular values of a matrix, largest first, to float32 resolution (those under RESOLUTION of the
-    largest are zero)."""
-    return left_singular(matrix, RESOLUTION, vectors=False)[1].to(COMPUTE_DTYPE)
-
-
-def row_singular_values(rows: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
-    """singular_values(rows), given rows @ rows.T (float32) already: from that Gram where it is the smaller one."""
-    if rows.shape[0] > rows.shape[1]:
-        return singular_values(rows)
-    energy = torch.linalg.eigvalsh(gram.to(torch.float32)).to(COMPUTE_DTYPE).flip(0)
-    return _zero_unresolved(energy.clamp_min(0).sqrt(), RESOLUTION)
+    largest are zero). `row_gram`: matrix @ matrix.T in float32, where the caller has it already."""
+    return left_singular(matrix, RESOLUTION, vectors=False, row_gram=row_gram)[1]
 
 
 def _zero_unresolved(singular: torch.Tensor, rtol: float) -> torch.Tensor:
@@ -73,9 +65,11 @@ def _zero_unresolved(singular: torch.Tensor, rtol: float) -> torch.Tensor:
     return torch.where(singular > rtol * singular[0], singular, torch.zeros_like(singular))
 
 
-def left_singular(matrix: torch.Tensor, rtol: float, vectors: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+def left_singular(matrix: torch.Tensor, rtol: float, vectors: bool = True,
+                  row_gram: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Leading left singular vectors (those above rtol * s_max, or None) and all singular values of a tall or
-    wide matrix.
+    wide matrix. `row_gram` (matrix @ matrix.T in float32, where the caller has it) is used where it is the
+    smaller Gram matrix.
 
     By a symmetric eigendecomposition of the smaller Gram matrix, in float32: a quarter of the time of a
     float64 SVD that returns vectors. Nothing downstream needs more: the vectors only seed the shared-subspace
@@ -83,16 +77,20 @@ def left_singular(matrix: torch.Tensor, rtol: float, vectors: bool = True) -> tu
     s_max, so values below `rtol` (>= 1e-3, under 1e-6 of the energy) read as zero.
     """
     rows, cols = matrix.shape
-    single = matrix.to(torch.float32)  # the Gram's rounding matches what the float32 eigh resolves anyway
-    gram = single @ single.T if rows <= cols else single.T @ single
-    if vectors:
-        energy, found = (t.to(matrix.dtype) for t in torch.linalg.eigh(gram))  # ascending
-        energy, found = energy.flip(0), found.flip(1)
+    if row_gram is not None and rows <= cols:
+        gram = row_gram
     else:
-        energy, found = torch.linalg.eigvalsh(gram).to(matrix.dtype).flip(0), None
+        single = matrix.to(torch.float32)  # the Gram's rounding matches what the float32 eigh resolves anyway
+        gram = single @ single.T if rows <= cols else single.T @ single
+    # the values in float64 (whatever the matrix's dtype), the vectors in the matrix's own
+    if vectors:
+        energy, found = torch.linalg.eigh(gram)  # ascending
+        energy, found = energy.to(COMPUTE_DTYPE).flip(0), found.to(matrix.dtype).flip(1)
+    else:
+        energy, found = torch.linalg.eigvalsh(gram).to(COMPUTE_DTYPE).flip(0), None
     singular = energy.clamp_min(0).sqrt()
     if not singular.numel() or singular[0] <= 0:
-        return (torch.eye(rows, 1, dtype=matrix.dtype) if vectors else None), matrix.new_zeros(min(rows, cols))
+        return (torch.eye(rows, 1, dtype=matrix.dtype) if vectors else None), energy.new_zeros(min(rows, cols))
     singular = _zero_unresolved(singular, rtol)
     keep = max(int((singular > 0).sum()), 1)
     if found is None:
@@ -100,7 +98,7 @@ def left_singular(matrix: torch.Tensor, rtol: float, vectors: bool = True) -> tu
     elif rows <= cols:
         left = found[:, :keep]
     else:  # U = M V / s for the kept directions
-        left = (matrix @ found[:, :keep]) / singular[:keep]
+        left = (matrix @ found[:, :keep]) / singular[:keep].to(matrix.dtype)
     return left, singular[: min(rows, cols)]
 
 
@@ -118,8 +116,8 @@ def spectra(products: HeadProducts, unfoldings: tuple[torch.Tensor, torch.Tensor
     query_rows, query_gram = products.row_gram("query", torch.float32, "cpu")
     key_rows, key_gram = products.row_gram("key", torch.float32, "cpu")
     return Spectra(
-        query_projection=row_singular_values(query_rows, query_gram),
-        key_projection=row_singular_values(key_rows, key_gram),
+        query_projection=singular_values(query_rows, query_gram),
+        key_projection=singular_values(key_rows, key_gram),
         query_unfolding=unfoldings[0],
         key_unfolding=unfoldings[1],
         head_unfolding=head_eigs,

@@ -49,9 +49,9 @@ def _statistics(source: SourceModel, settings: CompressOptions, progress: Progre
 def _analyze_layer(source: SourceModel, layer, ranks: list[int], metrics, device: str = "cpu") -> LayerAnalysis:
     products = source.read_projections(layer).products(layer.shape.num_heads)
     metric = metrics[layer.prefix] if metrics else None
+    fitted = [min(rank, layer.shape.key_dim) for rank in ranks]
     # one HOSVD for the spectra and every candidate rank's weight-only fit; its vectors only where a fit reads them
-    subspaces = tucker_subspaces(products, bases=metric is None and any(
-        starts_shared(products, min(rank, layer.shape.key_dim)) for rank in ranks))
+    subspaces = tucker_subspaces(products, bases=metric is None and any(starts_shared(products, at) for at in fitted))
     spec = spectra(products, (subspaces.query_singular_values, subspaces.key_singular_values))
     views = {
         "query_projection": spec.query_projection,
@@ -61,8 +61,7 @@ def _analyze_layer(source: SourceModel, layer, ranks: list[int], metrics, device
         "head_unfolding": spec.head_unfolding,
     }
     candidates = []
-    for rank in ranks:
-        at = min(rank, layer.shape.key_dim)
+    for at in fitted:
         fit = method_named(DEFAULT_METHOD).fit(FitRequest(
             products, at, device=device, query_metric=metric.query if metric else None,
             key_metric=metric.key if metric else None, subspaces=None if metric else subspaces,
