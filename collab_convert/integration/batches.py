@@ -14,15 +14,18 @@ import torch
 BATCH_TOKENS = 4096  # padded tokens per forward pass: the activations of one batch stay small
 BATCH_SEQUENCES = 64
 ACTIVATION_BYTES = 96 << 20  # a batch's activations inside one block, roughly: wide models get fewer tokens
+# a block's activations per token and hidden unit: the 4x-wide feed-forward twice, queries, keys, values (about 16
+# float32 numbers)
+ACTIVATION_BYTES_PER_UNIT = 64
 
 
 def batch_tokens(width: int | None) -> int:
-    """Padded tokens per batch for a model of hidden size `width`: a block's activations (the 4x-wide feed-forward
-    twice, queries, keys, values: about 16 float32 numbers per token and hidden unit) within ACTIVATION_BYTES.
-    all-MiniLM-L6-v2 (384): 4096 tokens; GPT-2-medium (1024): 1536. BATCH_TOKENS where the width is unknown."""
+    """Padded tokens per batch for a model of hidden size `width`: a block's activations
+    (ACTIVATION_BYTES_PER_UNIT a token and hidden unit) within ACTIVATION_BYTES. all-MiniLM-L6-v2 (384): 4096
+    tokens; GPT-2-medium (1024): 1536. BATCH_TOKENS where the width is unknown."""
     if not width:
         return BATCH_TOKENS
-    return max(256, min(BATCH_TOKENS, ACTIVATION_BYTES // (64 * width)))
+    return max(256, min(BATCH_TOKENS, ACTIVATION_BYTES // (ACTIVATION_BYTES_PER_UNIT * width)))
 
 
 @dataclass

@@ -89,9 +89,6 @@ def is_language_model(architectures: list[str] | None) -> bool:
     return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures or [])
 
 
-LOGIT_BYTES = 16 << 20  # a batch's float32 logits: a 50k vocabulary at 128 tokens is 26 MB a text (then one at a time)
-
-
 @dataclass
 class LanguageModelFidelity:
     cosine: CosineStats  # sentence embeddings (mean-pooled final states of the base model)
@@ -102,38 +99,131 @@ class LanguageModelFidelity:
 @torch.no_grad()
 def compare_language_models(model, base, tokenizer, texts: list[str], max_length: int = 128, progress=None,
                             device: Device = HOST) -> LanguageModelFidelity:
-    """Sentence-embedding cosines, next-token top-1 agreement and mean KL(base || model), from one forward pass of
-    each model per batch: the embedding is read off the base model's final states (a hook) while the head computes
-    the logits, so neither model runs twice. Texts run right-padded (a causal model's real positions never see the
-    padding after them), as many in a batch as keep its logits within LOGIT_BYTES."""
+    """Sentence-embedding cosines, next-token top-1 agreement and mean KL(base || model), from one pass of each
+    model's body per batch of texts and one of its head per text.
+
+    The bodies run on several texts at once (_body_tokens): an offloaded model reloads every block for each batch,
+    which per text was a quarter of this check's time on SmolLM2. The
+    embedding is the mean of the final states; the head then runs a text at a time (a text's logits over a 50k
+    vocabulary are 26 MB) through the model's own forward, its body standing in with the states already computed,
+    so whatever the model does after its body (logit soft-capping, scaling) is its own code."""
     from .batches import right_padded
 
-    encoded = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
-    longest = max((len(ids) for ids in encoded), default=1)
-    batch_size = max(1, LOGIT_BYTES // (4 * longest * base.config.get_text_config().vocab_size))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    encoded = [ids or [_pad_id(tokenizer)] for ids in tokenizer(texts, truncation=True, max_length=max_length)
+               ["input_ids"]]
+    budget = _body_tokens(base.config.get_text_config(), max(map(len, encoded), default=1))
     pooled = {"model": [], "base": []}
-    agree, total, kl_sum = 0, 0, 0.0
-    for start in range(0, len(encoded), batch_size):
+    agree, total, kl_sum, done = 0, 0, 0.0, 0
+    for chosen in _batches(encoded, budget):
         if progress:
-            progress("measuring fidelity", start, len(encoded))
-        chosen = [ids or [pad] for ids in encoded[start : start + batch_size]]
-        input_ids, attention_mask = moved(right_padded(chosen, pad), device)
-        logits = {}
+            progress("measuring fidelity", done, len(encoded))
+        input_ids, attention_mask = moved(right_padded(chosen, _pad_id(tokenizer)), device)
+        states, kinds = {}, {}
         for name, which in (("base", base), ("model", model)):
-            states, logits[name] = _states_and_logits(which, input_ids, attention_mask)
-            embedding = mean_pooled(states, attention_mask)
+            body_output = final_states(which, input_ids, attention_mask)
+            states[name], kinds[name] = body_output[0], type(body_output)
+            embedding = mean_pooled(states[name], attention_mask)
             pooled[name].append(torch.nn.functional.normalize(embedding, dim=-1).to(HOST))
-            del states
-        real = attention_mask.bool()  # every real position's next-token distribution
-        base_rows, model_rows = logits["base"][real], logits["model"][real]
-        del logits
-        same, divergence = _next_token_agreement(base_rows, model_rows)
-        agree, kl_sum, total = agree + same, kl_sum + divergence, total + base_rows.shape[0]
+        for row, ids in enumerate(chosen):
+            logits = {name: head_logits(which, _output_of(kinds[name], states[name][row : row + 1, : len(ids)]),
+                                        input_ids[row : row + 1, : len(ids)])
+                      for name, which in (("base", base), ("model", model))}
+            same, divergence = _next_token_agreement(logits["base"][0], logits["model"][0])
+            del logits
+            agree, kl_sum, total = agree + same, kl_sum + divergence, total + len(ids)
+        del states
+        done += len(chosen)
     if progress:
         progress("measuring fidelity", len(encoded), len(encoded))
     cosine = cosine_stats(torch.cat(pooled["base"]), torch.cat(pooled["model"]))
     return LanguageModelFidelity(cosine, agree / max(total, 1), kl_sum / max(total, 1))
+
+
+def _output_of(kind: type, states: torch.Tensor):
+    """A body's output of this type holding only these final states (a tuple where the body returns tuples)."""
+    return kind(last_hidden_state=states) if hasattr(kind, "to_tuple") else (states,)
+
+
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+def _body_tokens(config, longest: int) -> int:
+    """Padded tokens per batch of bodies: within calibration's budget, and with activations about what the heads
+    hold anyway for one text (both models' float32 logits), so batching adds little to the peak (SmolLM2, 32 texts:
+    +119 MB anonymous against +100 MB a text at a time, benchmarks/fidelity_check.py). SmolLM2 (576 wide, 49k
+    words): 1365 tokens; GPT-2-medium 785; a 4096-wide model with a 128k vocabulary 384 (calibration's)."""
+    from .batches import ACTIVATION_BYTES_PER_UNIT, batch_tokens
+
+    width, vocabulary = getattr(config, "hidden_size", None), getattr(config, "vocab_size", None)
+    if not width or not vocabulary:
+        return longest  # a text at a time
+    logits = 2 * 4 * longest * vocabulary
+    return max(longest, min(batch_tokens(width), logits // (ACTIVATION_BYTES_PER_UNIT * width)))
+
+
+def _batches(encoded: list[list[int]], budget: int) -> list[list[list[int]]]:
+    """Consecutive texts, as many to a batch as keep its padded size within `budget` tokens (one at least)."""
+    batches, current = [], []
+    for ids in encoded:
+        if current and (len(current) + 1) * max(len(ids), *map(len, current)) > budget:
+            batches.append(current)
+            current = []
+        current.append(ids)
+    return batches + ([current] if current else [])
+
+
+class _BodyOutput(Exception):
+    """Raised by a hook on a language model's body, carrying what it returned: the head need not run."""
+
+    def __init__(self, output):
+        super().__init__("caught the body's output")
+        self.output = output
+
+
+def _catch_output(module, args, output):
+    raise _BodyOutput(output)
+
+
+def final_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """What a ...ForCausalLM's body (its base model) returns, its final hidden states first, from a forward pass
+    stopped there."""
+    handle = getattr(model, model.base_model_prefix).register_forward_hook(_catch_output)
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask)
+    except _BodyOutput as caught:
+        return caught.output
+    finally:
+        handle.remove()
+    raise RuntimeError("the model's forward pass never ran its body")
+
+
+class _GivenOutput(torch.nn.Module):
+    """Stands in for a language model's body: returns an output computed before, as the body would."""
+
+    def __init__(self, output):
+        super().__init__()
+        self.output, self.calls = output, 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.output
+
+
+def head_logits(model, body_output, input_ids: torch.Tensor) -> torch.Tensor:
+    """The logits a ...ForCausalLM gives for `input_ids` whose body returns `body_output` (final states first, of
+    the type the body returns): its own forward with the body standing in, so the head and what follows it are
+    the model's code."""
+    prefix = model.base_model_prefix
+    body, given = getattr(model, prefix), _GivenOutput(body_output)
+    setattr(model, prefix, given)
+    try:
+        logits = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits
+    finally:
+        setattr(model, prefix, body)
+    if given.calls != 1 or logits.shape[:2] != input_ids.shape:
+        raise RuntimeError(f"{type(model).__name__}'s forward does not compute its logits from its body's states")
+    return logits
 
 
 # Positions whose float32 next-token distributions are formed at once: 32 rows of a 50k vocabulary are 6 MB a
@@ -151,18 +241,6 @@ def _next_token_agreement(base_logits: torch.Tensor, model_logits: torch.Tensor)
         agree += int((p.argmax(-1) == q.argmax(-1)).sum())
         kl_sum += float((p.exp() * (p - q)).sum())
     return agree, kl_sum
-
-
-def _states_and_logits(model, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the base model's final states, the logits) of a ...ForCausalLM, from one forward pass."""
-    body = getattr(model, model.base_model_prefix)
-    seen = {}
-    handle = body.register_forward_hook(lambda module, args, output: seen.update(states=output[0]))
-    try:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    finally:
-        handle.remove()
-    return seen["states"], logits
 
 
 # What two checkpoints must share for their outputs to be compared: the width of the states, and the vocabulary
