@@ -106,7 +106,8 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=300)
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--extra", default="", help="more compress flags")
-    parser.add_argument("--profile", type=Path, default=None, help="py-spy flame graph of the CLI run")
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy flame graph of the CLI run "
+                        "(FILE.txt: collapsed stacks)")
     args = parser.parse_args()
 
     from collab_convert.io.folders import DEFAULT_MODEL, resolve_model
@@ -123,8 +124,9 @@ def main() -> None:
                    str(len(calibration)), "--calibration-max-length", str(args.max_length), "-o", str(out), "-q",
                    "--json", *args.extra.split()]
         if args.profile:
+            kind = "raw" if args.profile.suffix == ".txt" else "flamegraph"  # raw: collapsed stacks, to count
             command = [shutil.which("py-spy") or "py-spy", "record", "-o", str(args.profile), "--rate", "20",
-                       "--subprocesses", "--", *command]
+                       "--format", kind, "--subprocesses", "--", *command]
         started = time.perf_counter()
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - started

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .architectures.source import SourceModel, open_model
+from .errors import first_line
 from .forms import Form, FormPlan, form_named
 from .io.folders import StagedOutput, copy_non_weight_files, record_dtype, weights_on_disk
 from .options import CompressOptions, gate_failures
@@ -133,8 +134,7 @@ def _timed(source: SourceModel, folder: Path, progress: Progress) -> dict:
     try:
         timed = time_per_token(source.folder, folder, is_language_model(source.config.get("architectures")))
     except Exception as error:  # noqa: BLE001 - a measurement that cannot run must not cost the user the checkpoint
-        first_line = (str(error).splitlines() or [type(error).__name__])[0]
-        timed = {"skipped": f"timing failed: {first_line}"}
+        timed = {"skipped": f"timing failed: {first_line(error)}"}
     progress("timing inference", 1, 1)
     return timed
 

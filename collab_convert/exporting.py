@@ -17,7 +17,7 @@ import shutil
 import time
 from pathlib import Path
 
-from .errors import BadInputError
+from .errors import BadInputError, first_line
 from .io.folders import StagedOutput, check_output, copy_non_weight_files, read_config, resolve_model
 from .options import ExportOptions
 from .progress import Progress, no_progress
@@ -114,7 +114,7 @@ def _wrapped(folder: Path, encoder, language_model):
     except BadInputError:
         raise
     except Exception as error:  # noqa: BLE001 - a checkpoint transformers cannot load
-        raise BadInputError(f"could not load {folder}: {str(error).splitlines()[0]}") from None
+        raise BadInputError(f"could not load {folder}: {first_line(error)}") from None
     if causal:
         return language_model(model), "causal language model: next-token logits, no cache"
     if getattr(model.config, "is_encoder_decoder", False):

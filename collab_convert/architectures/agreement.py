@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..errors import BadInputError
+from ..errors import BadInputError, first_line
 from ..io.reader import TensorReader
 from .families import Family
 from .naming import meta_skeleton
@@ -96,7 +96,7 @@ def _transformers_config(folder: Path):
     try:
         return AutoConfig.from_pretrained(folder)
     except Exception as error:  # noqa: BLE001 - whatever transformers raises, it cannot read the config
-        raise BadInputError(f"transformers cannot read {folder / 'config.json'}: {_first_line(error)}") from None
+        raise BadInputError(f"transformers cannot read {folder / 'config.json'}: {first_line(error)}") from None
 
 
 def _rope_parameter_sets(model_config) -> list[dict]:
@@ -126,7 +126,7 @@ def _skeleton(model_config, config: dict[str, Any]) -> torch.nn.Module:
     try:
         return meta_skeleton(model_config, config)
     except Exception as error:  # noqa: BLE001 - a config transformers cannot build a model from
-        raise BadInputError(f"transformers cannot build the model config.json describes: {_first_line(error)}") \
+        raise BadInputError(f"transformers cannot build the model config.json describes: {first_line(error)}") \
             from None
 
 
@@ -183,7 +183,7 @@ def _check_rotary(skeleton: torch.nn.Module) -> None:
             angles = _angles(rotary, config)
         except Exception as error:  # noqa: BLE001 - what transformers' RoPE set-up raises, it cannot build
             raise BadInputError(f"config.json's RoPE settings cannot be built by transformers "
-                                f"({_rope_summary(config)}): {_first_line(error)}") from None
+                                f"({_rope_summary(config)}): {first_line(error)}") from None
         if not all(torch.isfinite(tensor).all() for tensor in angles):
             raise BadInputError(f"config.json's RoPE settings give non-finite rotary angles "
                                 f"({_rope_summary(config)}); the model would compute NaN")
@@ -212,13 +212,4 @@ def _rope_summary(config) -> str:
         shown = {k: v for k, v in parameters.items() if not isinstance(v, (list, dict))}
         return f"rope_parameters {shown}"
     return f"rope_theta {getattr(config, 'rope_theta', None)!r}"
-
-
-def _first_line(error: BaseException) -> str:
-    """The error's first line, and the one after where the first only introduces it ("... for field 'x':")."""
-    text = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    line = text[0] if text else type(error).__name__
-    if line.endswith(":") and len(text) > 1:
-        line = f"{line} {text[1]}"
-    return line if len(line) <= 200 else line[:197] + "..."
 

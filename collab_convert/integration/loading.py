@@ -25,7 +25,7 @@ from transformers.quantizers.auto import (
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..architectures.lookup import family_named
-from ..errors import BadInputError
+from ..errors import BadInputError, first_line
 from ..format import QUANT_METHOD, FormatConfig
 from ..modeling.swap import collaborate_model
 
@@ -152,9 +152,8 @@ def load_tokenizer(folder, needed_for: str):
         _TOKENIZERS[key] = AutoTokenizer.from_pretrained(folder)
         return _TOKENIZERS[key]
     except Exception as error:  # noqa: BLE001 - many ways for a tokenizer to be missing or broken
-        lines = str(error).strip().splitlines() or [type(error).__name__]
         raise BadInputError(f"{needed_for} needs the model's tokenizer, which could not be loaded from {folder} "
-                            f"({lines[0].strip().rstrip(':')}); {fix}") from None
+                            f"({first_line(error).rstrip(':')}); {fix}") from None
 
 
 def load_model(path, auto_class=None, **kwargs):

@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..errors import BadInputError
+from ..errors import BadInputError, first_line
 
 
 SOURCE_NOTE = "gguf_source.json"  # in a dequantised folder: the GGUF it came from (a GGUF export copies its tokenizer)
@@ -79,7 +79,7 @@ def _convert(path: Path, target: Path) -> None:
         loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     except Exception as error:  # noqa: BLE001 - a GGUF transformers cannot read is bad input, whatever the cause
-        raise BadInputError(f"transformers could not read {path.name}: {str(error).splitlines()[0]}") from None
+        raise BadInputError(f"transformers could not read {path.name}: {first_line(error)}") from None
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..errors import BadInputError
+from ..errors import BadInputError, first_line
 from .headers import SAFETENSORS_DTYPES, TensorSpec, check_safetensors_header
 
 
@@ -102,8 +102,8 @@ class TensorReader:
                     # pre-zipfile checkpoints (torch < 1.6) cannot be memory-mapped; still weights_only
                     state = torch.load(file, map_location="cpu", weights_only=True)
             except Exception as error:  # noqa: BLE001
-                first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                raise BadInputError(f"{file.name} could not be loaded safely as weights: {first}") from None
+                raise BadInputError(f"{file.name} could not be loaded safely as weights: {first_line(error)}") \
+                    from None
             if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
                 raise BadInputError(f"{file.name} does not hold a flat dictionary of tensors")
             self._bin_cache[file] = state
