@@ -103,10 +103,10 @@ def compare_language_models(model, base, tokenizer, texts: list[str], max_length
     model's body per batch of texts and one of its head per text.
 
     The bodies run on several texts at once (_body_tokens): an offloaded model reloads every block for each batch,
-    which per text was a quarter of this check's time on SmolLM2. The
-    embedding is the mean of the final states; the head then runs a text at a time (a text's logits over a 50k
-    vocabulary are 26 MB) through the model's own forward, its body standing in with the states already computed,
-    so whatever the model does after its body (logit soft-capping, scaling) is its own code."""
+    which per text was a quarter of this check's time on SmolLM2. The embedding is the mean of the final states;
+    the head then runs a text at a time (a text's logits over a 50k vocabulary are 26 MB) through the model's own
+    forward, its body standing in with the states already computed, so whatever the model does after its body
+    (logit soft-capping, scaling) is its own code."""
     from .batches import right_padded
 
     encoded = [ids or [_pad_id(tokenizer)] for ids in tokenizer(texts, truncation=True, max_length=max_length)
@@ -120,8 +120,8 @@ def compare_language_models(model, base, tokenizer, texts: list[str], max_length
         input_ids, attention_mask = moved(right_padded(chosen, _pad_id(tokenizer)), device)
         states, kinds = {}, {}
         for name, which in (("base", base), ("model", model)):
-            body_output = final_states(which, input_ids, attention_mask)
-            states[name], kinds[name] = body_output[0], type(body_output)
+            output = body_output(which, input_ids, attention_mask)
+            states[name], kinds[name] = output[0], type(output)
             embedding = mean_pooled(states[name], attention_mask)
             pooled[name].append(torch.nn.functional.normalize(embedding, dim=-1).to(HOST))
         for row, ids in enumerate(chosen):
@@ -185,7 +185,7 @@ def _catch_output(module, args, output):
     raise _BodyOutput(output)
 
 
-def final_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+def body_output(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     """What a ...ForCausalLM's body (its base model) returns, its final hidden states first, from a forward pass
     stopped there."""
     handle = getattr(model, model.base_model_prefix).register_forward_hook(_catch_output)
@@ -210,12 +210,12 @@ class _GivenOutput(torch.nn.Module):
         return self.output
 
 
-def head_logits(model, body_output, input_ids: torch.Tensor) -> torch.Tensor:
-    """The logits a ...ForCausalLM gives for `input_ids` whose body returns `body_output` (final states first, of
+def head_logits(model, given_output, input_ids: torch.Tensor) -> torch.Tensor:
+    """The logits a ...ForCausalLM gives for `input_ids` whose body returns `given_output` (final states first, of
     the type the body returns): its own forward with the body standing in, so the head and what follows it are
     the model's code."""
     prefix = model.base_model_prefix
-    body, given = getattr(model, prefix), _GivenOutput(body_output)
+    body, given = getattr(model, prefix), _GivenOutput(given_output)
     setattr(model, prefix, given)
     try:
         logits = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits
