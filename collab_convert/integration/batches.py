@@ -51,7 +51,7 @@ def token_batches(tokenizer, texts: list[str], max_length: int, token_budget: in
             break
         kept.append(ids)
         tokens += len(ids)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = pad_id(tokenizer)
     order = sorted(range(len(kept)), key=lambda i: len(kept[i]))
     batches, start = [], 0
     while start < len(order):
@@ -64,6 +64,11 @@ def token_batches(tokenizer, texts: list[str], max_length: int, token_budget: in
         batches.append((*right_padded(chosen, pad), [len(ids) for ids in chosen]))
         start = end
     return CalibrationBatches(batches, tokens, len(kept))
+
+
+def pad_id(tokenizer) -> int:
+    """The id padding takes: the tokenizer's pad token, or 0 where it has none (padding is masked either way)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
 def right_padded(sequences: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,14 +102,15 @@ def compare_language_models(model, base, tokenizer, texts: list[str], max_length
     """Sentence-embedding cosines, next-token top-1 agreement and mean KL(base || model), from one pass of each
     model's body per batch of texts and one of its head per text.
 
-    The bodies run on several texts at once (_body_tokens): an offloaded model reloads every block for each batch,
-    which per text was a quarter of this check's time on SmolLM2. The embedding is the mean of the final states;
+    The bodies run on several texts at once (_body_tokens), right-padded (a causal model's real positions never see
+    the padding after them): an offloaded model reloads every block for each batch, which per text was a quarter of
+    this check's time on SmolLM2. The embedding is the mean of the final states;
     the head then runs a text at a time (a text's logits over a 50k vocabulary are 26 MB) through the model's own
     forward, its body standing in with the states already computed, so whatever the model does after its body
     (logit soft-capping, scaling) is its own code."""
-    from .batches import right_padded
+    from .batches import pad_id, right_padded
 
-    encoded = [ids or [_pad_id(tokenizer)] for ids in tokenizer(texts, truncation=True, max_length=max_length)
+    encoded = [ids or [pad_id(tokenizer)] for ids in tokenizer(texts, truncation=True, max_length=max_length)
                ["input_ids"]]
     budget = _body_tokens(base.config.get_text_config(), max(map(len, encoded), default=1))
     pooled = {"model": [], "base": []}
@@ -117,7 +118,7 @@ def compare_language_models(model, base, tokenizer, texts: list[str], max_length
     for chosen in _batches(encoded, budget):
         if progress:
             progress("measuring fidelity", done, len(encoded))
-        input_ids, attention_mask = moved(right_padded(chosen, _pad_id(tokenizer)), device)
+        input_ids, attention_mask = moved(right_padded(chosen, pad_id(tokenizer)), device)
         states, kinds = {}, {}
         for name, which in (("base", base), ("model", model)):
             output = body_output(which, input_ids, attention_mask)
@@ -142,10 +143,6 @@ def compare_language_models(model, base, tokenizer, texts: list[str], max_length
 def _output_of(kind: type, states: torch.Tensor):
     """A body's output of this type holding only these final states (a tuple where the body returns tuples)."""
     return kind(last_hidden_state=states) if hasattr(kind, "to_tuple") else (states,)
-
-
-def _pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
 def _body_tokens(config, longest: int) -> int:
