@@ -13,12 +13,13 @@ from).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 
 from ..devices import HOST, Device, moved, training_products
 from .refinement import adam_with_held_out, product_in
-from .rotary_ops import query_in_shared_basis, rotate_half_dims, rotate_shared_key
+from .rotary_ops import query_in_shared_basis, rotate_half_dims, rotate_slots
 from .shared_key import HeadGeometry, SharedKeyFactors, slot_frequencies
 from .value_latent import ValueLatent
 
@@ -57,28 +58,65 @@ class SharedKeyRefinement:
     values: ValueLatent | None = None  # the refined value latent, where one was refined with the key
 
 
-def _batch(samples: list[SharedKeySample], rows: int | None, generator, device=HOST) -> tuple:
-    """Padded (B, rows, H, d) queries at sampled rows, (B, m, G, d) keys and values, row positions, valid masks:
-    gathered in host memory, where the samples wait, and moved to `device` together."""
-    length = max(s.keys.shape[0] for s in samples)
-    picks = [torch.arange(s.queries.shape[0]) if rows is None
-             else torch.randperm(s.queries.shape[0], generator=generator)[:rows].sort().values for s in samples]
-    width = max(p.shape[0] for p in picks)
-    queries = torch.zeros(len(samples), width, *samples[0].queries.shape[1:])
-    keys = torch.zeros(len(samples), length, *samples[0].keys.shape[1:])
-    values = torch.zeros(len(samples), length, *samples[0].keys.shape[1:]) if samples[0].values is not None else None
-    positions = torch.zeros(len(samples), width, dtype=torch.long)
-    row_valid = torch.zeros(len(samples), width, dtype=torch.bool)
-    key_valid = torch.zeros(len(samples), length, dtype=torch.bool)
-    for i, (sample, pick) in enumerate(zip(samples, picks, strict=True)):
-        queries[i, : pick.shape[0]] = sample.queries[pick].float()
-        positions[i, : pick.shape[0]] = pick
-        row_valid[i, : pick.shape[0]] = True
-        keys[i, : sample.keys.shape[0]] = sample.keys.float()
-        key_valid[i, : sample.keys.shape[0]] = True
-        if values is not None:
-            values[i, : sample.values.shape[0]] = sample.values.float()
-    return moved((queries, keys, values, positions, row_valid, key_valid), device)
+class _Sequences:
+    """Calibration sequences stacked once, where the steps run: the queries turned by RoPE at their positions,
+    the keys and values as the layer reads them, and (`targets`) the original attention's output at every
+    position. A step then only gathers its rows. (Each step used to pad its sequences anew from the float16
+    samples and recompute the original attention of its rows: a third of a refinement's time on SmolLM2.)"""
+
+    def __init__(self, samples: list[SharedKeySample], geometry: HeadGeometry, setting: AttentionSetting,
+                 slots: torch.Tensor, device: Device = HOST, targets: bool = False):
+        self.geometry, self.setting, self.slots = geometry, setting, slots
+        self.lengths = torch.tensor([sample.keys.shape[0] for sample in samples])
+        length = int(self.lengths.max())
+
+        def stacked(part) -> torch.Tensor:  # (S, n, heads, d) in float32, zero past each sequence's end
+            out = torch.zeros(len(samples), length, *part(samples[0]).shape[1:])
+            for i, sample in enumerate(samples):
+                out[i, : part(sample).shape[0]] = part(sample).float()
+            return out.to(device)
+
+        queries = stacked(lambda sample: sample.queries).transpose(1, 2)  # (S, H, n, d)
+        cos, sin = setting.cos[:length], setting.sin[:length]
+        self.queries = rotate_half_dims(queries, cos, sin, geometry.rotary_dim).transpose(1, 2)  # (S, n, H, d)
+        self.keys = stacked(lambda sample: sample.keys)  # (S, n, G, d), before RoPE
+        self.values = stacked(lambda sample: sample.values) if samples[0].values is not None else None
+        self.lengths = self.lengths.to(device)
+        self.target_output = None
+        if targets and self.values is not None and setting.output_weight is not None:
+            with torch.no_grad():  # in float32, as every check's target
+                self.target_output = torch.cat([problem.target_output for problem in self.problems()])
+
+    def __len__(self) -> int:
+        return self.lengths.shape[0]
+
+    def problem(self, chosen: torch.Tensor, picks: list[torch.Tensor] | None = None,
+                products: torch.dtype = torch.float32) -> _Problem:
+        """Sequences `chosen` at positions `picks` (one sorted tensor each; None: every position up to the
+        longest sequence of the set), keys up to the longest chosen one."""
+        chosen = chosen.to(self.lengths.device)
+        lengths = self.lengths[chosen]
+        if picks is None:
+            positions = torch.arange(self.queries.shape[1], device=chosen.device).expand(len(chosen), -1)
+            row_valid = positions < lengths[:, None]
+        else:
+            width = max(pick.shape[0] for pick in picks)
+            positions = torch.zeros(len(chosen), width, dtype=torch.long)
+            row_valid = torch.zeros(len(chosen), width, dtype=torch.bool)
+            for i, pick in enumerate(picks):
+                positions[i, : pick.shape[0]], row_valid[i, : pick.shape[0]] = pick, True
+            positions, row_valid = positions.to(chosen.device), row_valid.to(chosen.device)
+        length = int(lengths.max())
+        key_valid = torch.arange(length, device=chosen.device)[None, :] < lengths[:, None]
+        rows = chosen[:, None], positions
+        target = self.target_output[rows] if self.target_output is not None else None
+        return _Problem(self.queries[rows].transpose(1, 2), self.keys[chosen, :length],
+                        self.values[chosen, :length] if self.values is not None else None, positions, row_valid,
+                        key_valid, self.geometry, self.setting, self.slots, products, target)
+
+    def problems(self, size: int = 8) -> list[_Problem]:
+        """Every sequence at every position, `size` sequences a problem."""
+        return [self.problem(torch.arange(start, min(start + size, len(self)))) for start in range(0, len(self), size)]
 
 
 class _Problem:
@@ -87,48 +125,68 @@ class _Problem:
     With values and the output projection, the loss is the error of the layer's attention output (through the
     output projection, so heads count as much as they reach the residual stream); else the attention KL."""
 
-    def __init__(self, batch, geometry: HeadGeometry, setting: AttentionSetting, slots: torch.Tensor,
-                 products: torch.dtype = torch.float32):
-        queries, keys, values, positions, row_valid, key_valid = batch
+    def __init__(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None,
+                 positions: torch.Tensor, row_valid: torch.Tensor, key_valid: torch.Tensor, geometry: HeadGeometry,
+                 setting: AttentionSetting, slots: torch.Tensor, products: torch.dtype = torch.float32,
+                 target_output: torch.Tensor | None = None):
+        """`queries` (B, H, rows, d) turned by RoPE at `positions`; `keys` and `values` (B, m, G, d) before it;
+        `target_output` the original attention's output at those rows, where already known."""
         self.geometry, self.setting, self.slots = geometry, setting, slots
         self.products = products  # the dtype of the products that depend on the parameters (the target: float32)
-        group_of_head = geometry.group_of_head.to(keys.device)
         length = keys.shape[1]
-        cos, sin = setting.cos[:length], setting.sin[:length]
-        self.key_cos, self.key_sin = cos, sin
-        row_cos, row_sin = setting.cos[positions][:, None], setting.sin[positions][:, None]  # (B, 1, rows, rd)
-        self.queries = rotate_half_dims(queries.transpose(1, 2), row_cos, row_sin, geometry.rotary_dim)
+        # RoPE's tables at each kept slot's frequency: the shared key turns by them
+        self.key_cos, self.key_sin = setting.cos[:length], setting.sin[:length]
+        self.slot_cos, self.slot_sin = self.key_cos[..., slots], self.key_sin[..., slots]
+        self.queries = queries
+        self.raw_keys = keys
         self.keys = keys.flatten(2)  # (B, m, G d)
         allowed = key_valid[:, None, :].expand(-1, positions.shape[1], -1)
         if setting.causal:
             allowed = allowed & (torch.arange(length, device=keys.device)[None, None, :] <= positions[:, :, None])
-        self.allowed = allowed[:, None]  # (B, 1, rows, m)
-        self.bias = None
-        if setting.position_bias is not None:  # each row's bias at its own position: (B, H, rows, m)
+        # what every step adds to the scaled scores: -inf where a key is not seen (B, 1, rows, m), and T5's
+        # position bias at each row's own position (B, H, rows, m). One add, where masking anew cost a tenth of a
+        # step.
+        self.mask = torch.zeros(allowed.shape, device=keys.device).masked_fill_(~allowed, float("-inf"))[:, None]
+        if setting.position_bias is not None:
             bias = setting.position_bias[:, :, :length]
-            self.bias = bias[:, positions.clamp_max(bias.shape[1] - 1)].permute(1, 0, 2, 3)
+            self.mask = self.mask + bias[:, positions.clamp_max(bias.shape[1] - 1)].permute(1, 0, 2, 3)
         self.rows = row_valid
         self.valid = row_valid[:, None, :].expand(-1, geometry.num_heads, -1)
-        rotated_keys = rotate_half_dims(keys.transpose(1, 2), cos, sin, geometry.rotary_dim)  # (B, G, m, d)
-        grouped = rotated_keys[:, group_of_head]  # (B, H, m, d)
         self.values = self.stacked_values = None
         if values is not None and setting.output_weight is not None:
-            self.values = values.transpose(1, 2)[:, group_of_head]  # (B, H, m, d)
+            self.values = values.transpose(1, 2)  # (B, G, m, d): a group's heads read them in one product
             self.stacked_values = values.flatten(2)  # (B, m, G d): what a value latent reads
-        with torch.no_grad():
-            self.target = self._log_softmax(self.queries @ grouped.transpose(-1, -2))
-            self.target_p = self.target.exp()
-            if self.values is not None:
-                self.target_output = self._output(self.target_p, products=torch.float32)
-                self.output_energy = float((self.target_output**2).sum(-1)[self.rows].sum())
+            if target_output is None:
+                with torch.no_grad():
+                    target_output = self._output(self.target_p, products=torch.float32)
+            self.target_output = target_output
+            self.output_energy = float((target_output**2).sum(-1)[self.rows].sum())
 
-    def _log_softmax(self, scores: torch.Tensor) -> torch.Tensor:
-        scores = scores * self.setting.scaling
+    @cached_property
+    def _target_scores(self) -> torch.Tensor:
+        """The original attention's logits (B, H, rows, m): a group's heads against its keys in one product."""
+        rotated = rotate_half_dims(self.raw_keys.transpose(1, 2), self.key_cos, self.key_sin,
+                                   self.geometry.rotary_dim)  # (B, G, m, d)
+        size, heads, rows, dim = self.queries.shape
+        grouped = self.queries.reshape(size, rotated.shape[1], -1, dim)
+        with torch.no_grad():
+            return self._scores((grouped @ rotated.transpose(-1, -2)).reshape(size, heads, rows, -1))
+
+    @cached_property
+    def target(self) -> torch.Tensor:
+        """The original attention's log-probabilities (B, H, rows, m)."""
+        return torch.log_softmax(self._target_scores, dim=-1)
+
+    @cached_property
+    def target_p(self) -> torch.Tensor:
+        return torch.softmax(self._target_scores, dim=-1)
+
+    def _scores(self, products: torch.Tensor) -> torch.Tensor:
+        """q.k as the layer turns it into attention logits: scaled, soft-capped, masked and biased."""
+        scores = products * self.setting.scaling
         if self.setting.softcap:
             scores = torch.tanh(scores / self.setting.softcap) * self.setting.softcap
-        if self.bias is not None:
-            scores = scores + self.bias
-        return torch.log_softmax(scores.masked_fill(~self.allowed, float("-inf")), dim=-1)
+        return scores + self.mask
 
     def _output(self, probabilities: torch.Tensor, down: torch.Tensor | None = None,
                 up: torch.Tensor | None = None, products: torch.dtype | None = None) -> torch.Tensor:
@@ -140,8 +198,10 @@ class _Problem:
         def product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
             return product_in(left, right, dtype)
 
-        if down is None:
-            heads = product(probabilities, self.values)  # (B, H, rows, d)
+        if down is None:  # the heads of a group side by side, against their group's values: no copy per head
+            size, heads, rows, length = probabilities.shape
+            grouped = probabilities.reshape(size, self.values.shape[1], -1, length)
+            heads = product(grouped, self.values).reshape(size, heads, rows, -1)  # (B, H, rows, d)
         else:
             averaged = product(probabilities, product(self.stacked_values, down.T)[:, None])  # (B, H, rows, W)
             heads = product(averaged, up.transpose(-1, -2))  # each head reads the latent through its own up-projection
@@ -150,11 +210,14 @@ class _Problem:
     def _product(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
         return product_in(left, right, self.products)
 
-    def predicted(self, mixing: torch.Tensor, core: torch.Tensor, pass_core: torch.Tensor) -> torch.Tensor:
-        shared_key = rotate_shared_key(self._product(self.keys, mixing.T), self.key_cos, self.key_sin,
-                                       self.slots)  # (B, m, K)
+    def _shared_scores(self, mixing: torch.Tensor, core: torch.Tensor, pass_core: torch.Tensor) -> torch.Tensor:
+        shared_key = rotate_slots(self._product(self.keys, mixing.T), self.slot_cos, self.slot_sin)  # (B, m, K)
         shared_query = query_in_shared_basis(self.queries, core, pass_core, self.slots, self.geometry.rotary_dim)
-        return self._log_softmax(self._product(shared_query, shared_key[:, None].transpose(-1, -2)))
+        return self._scores(self._product(shared_query, shared_key[:, None].transpose(-1, -2)))
+
+    def predicted(self, mixing: torch.Tensor, core: torch.Tensor, pass_core: torch.Tensor) -> torch.Tensor:
+        """The shared form's attention log-probabilities (B, H, rows, m)."""
+        return torch.log_softmax(self._shared_scores(mixing, core, pass_core), dim=-1)
 
     def kl_sum(self, predicted: torch.Tensor) -> torch.Tensor:
         kl = (self.target_p * (self.target - predicted)).nan_to_num(0.0).sum(-1)
@@ -162,10 +225,11 @@ class _Problem:
 
     def loss(self, mixing, core, pass_core, down=None, up=None) -> tuple[torch.Tensor, float]:
         """(the objective's sum over this batch, its normaliser)."""
-        predicted = self.predicted(mixing, core, pass_core)
         if self.values is None:
-            return self.kl_sum(predicted), float(self.valid.sum())
-        error = ((self._output(predicted.exp(), down, up) - self.target_output) ** 2).sum(-1)
+            return self.kl_sum(self.predicted(mixing, core, pass_core)), float(self.valid.sum())
+        # softmax itself, not exp of log-probabilities: exp is slow on the masked keys' -inf, a twentieth of a step
+        probabilities = torch.softmax(self._shared_scores(mixing, core, pass_core), dim=-1)
+        error = ((self._output(probabilities, down, up) - self.target_output) ** 2).sum(-1)
         return error[self.rows].sum(), self.output_energy
 
 
@@ -184,8 +248,8 @@ def attention_output_error(samples: list[SharedKeySample], factors: SharedKeyFac
                   geometry.num_heads else values.up.to(device, torch.float32)]
     total, energy = 0.0, 0.0
     with torch.no_grad():
-        for i in range(0, len(samples), 8):
-            loss, norm = _Problem(_batch(samples[i:i + 8], None, None, device), geometry, setting, slots).loss(*start)
+        for problem in _Sequences(samples, geometry, setting, slots, device).problems():
+            loss, norm = problem.loss(*start)
             total, energy = total + float(loss), energy + norm
     return total / max(energy, 1e-30)
 
@@ -203,8 +267,7 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
                                         "position_bias": setting.position_bias}, device))
     held = max(len(samples) // 10, 1) if len(samples) >= 10 else 0
     train, check = (samples[:-held], samples[-held:]) if held else (samples, samples)
-    checks = [_Problem(_batch(check[i:i + 8], None, None, device), geometry, setting, slots)
-              for i in range(0, len(check), 8)]
+    checks = _Sequences(check, geometry, setting, slots, device).problems()
     check_rows = sum(int(p.valid.sum()) for p in checks)
     if values is not None and checks[0].values is None:
         raise ValueError("refining a value latent needs samples with values and the layer's output projection")
@@ -227,10 +290,13 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
     kl_before = held_out_kl()
     products = training_products(device)  # the steps' products; the held-out checks stay in float32
 
+    sequences = _Sequences(train, geometry, setting, slots, device, targets=True)
+    lengths = [sample.queries.shape[0] for sample in train]
+
     def minibatch_loss() -> torch.Tensor:
-        chosen = [train[i] for i in torch.randperm(len(train), generator=generator)[:batch_sequences]]
-        problem = _Problem(_batch(chosen, query_rows, generator, device), geometry, setting, slots, products)
-        loss, norm = problem.loss(*parameters)
+        chosen = torch.randperm(len(train), generator=generator)[:batch_sequences]
+        picks = [torch.randperm(lengths[i], generator=generator)[:query_rows].sort().values for i in chosen]
+        loss, norm = sequences.problem(chosen, picks, products).loss(*parameters)
         return loss / max(norm, 1e-30)
 
     best, initial, best_loss, taken = adam_with_held_out(parameters, minibatch_loss, held_out, steps, learning_rate)

@@ -1,0 +1,78 @@
+"""A shared-key refinement step gathers its batch from sequences stacked once per layer, with the original
+attention's output computed once for every position: what it gathers must be what those sequences say, at the
+rows it draws, whatever their lengths."""
+
+import torch
+
+from collab_convert.decompose.rotary_ops import rotate_half_dims
+from collab_convert.decompose.shared_key import HeadGeometry, KeyRanks, fit_shared_key, slot_frequencies, statistics_of
+from collab_convert.decompose.shared_key_refinement import AttentionSetting, SharedKeySample, _Sequences
+
+GEOMETRY = HeadGeometry(num_heads=6, kv_heads=2, head_dim=8, rotary_dim=8)
+LENGTHS = [24, 13, 20, 9, 24, 17]
+
+
+def sequences_and_setting(seed: int = 0, output: bool = True):
+    generator = torch.Generator().manual_seed(seed)
+    samples = [SharedKeySample(*(torch.randn(n, heads, 8, generator=generator).half() for heads in (6, 2, 2)))
+               for n in LENGTHS]
+    angles = torch.arange(24).float()[:, None] * 0.3 ** torch.arange(4).float()
+    setting = AttentionSetting(8 ** -0.5, torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1),
+                               output_weight=torch.randn(16, 48, generator=generator) if output else None)
+    statistics = sum((statistics_of(s.queries.float(), s.keys.float(), GEOMETRY) for s in samples[1:]),
+                     statistics_of(samples[0].queries.float(), samples[0].keys.float(), GEOMETRY))
+    factors = fit_shared_key(statistics, GEOMETRY, KeyRanks((1, 1, 1, 1), 0))
+    return samples, setting, factors
+
+
+def original_output(sample: SharedKeySample, setting: AttentionSetting, rows: torch.Tensor) -> torch.Tensor:
+    """The layer's attention output at `rows`, written out head by head from the raw sequence."""
+    n = sample.keys.shape[0]
+    cos, sin = setting.cos[:n], setting.sin[:n]
+    queries = rotate_half_dims(sample.queries.float().transpose(0, 1), cos, sin, 8)  # (H, n, d)
+    keys = rotate_half_dims(sample.keys.float().transpose(0, 1), cos, sin, 8)  # (G, n, d)
+    heads = []
+    for head in range(6):
+        group = head // 3
+        scores = queries[head] @ keys[group].T * setting.scaling
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        heads.append(torch.softmax(scores, -1) @ sample.values.float()[:, group])
+    return (torch.cat(heads, -1) @ setting.output_weight.T)[rows]
+
+
+def test_the_stacked_targets_are_each_sequences_own_attention_output_at_the_drawn_rows():
+    samples, setting, factors = sequences_and_setting()
+    slots = slot_frequencies(factors.ranks)
+    stacked = _Sequences(samples, GEOMETRY, setting, slots, targets=True)
+    chosen = torch.tensor([3, 0, 5])
+    picks = [torch.tensor([0, 4, 8]), torch.tensor([1, 2, 23]), torch.tensor([16])]
+    problem = stacked.problem(chosen, picks)
+    for i, (sequence, rows) in enumerate(zip(chosen.tolist(), picks)):
+        expected = original_output(samples[sequence], setting, rows)
+        assert torch.allclose(problem.target_output[i, : len(rows)], expected, atol=1e-4)
+    assert problem.rows.tolist() == [[True] * 3, [True] * 3, [True, False, False]]
+    assert problem.raw_keys.shape[1] == 24  # keys up to the longest chosen sequence
+
+
+def test_a_gathered_step_scores_the_shared_form_as_its_sequences_alone_would():
+    for output in (True, False):  # the attention output's error, and the attention KL
+        samples, setting, factors = sequences_and_setting(seed=1, output=output)
+        slots = slot_frequencies(factors.ranks)
+        parameters = (factors.key_mixing.float(), factors.query_core.float(), factors.pass_core.float())
+        chosen, picks = torch.tensor([4, 1]), [torch.tensor([2, 3, 19]), torch.tensor([0, 12])]
+        gathered = _Sequences(samples, GEOMETRY, setting, slots, targets=True).problem(chosen, picks)
+        alone = _Sequences([samples[i] for i in chosen], GEOMETRY, setting, slots).problem(torch.arange(2), picks)
+        (loss, norm), (expected, expected_norm) = gathered.loss(*parameters), alone.loss(*parameters)
+        assert loss > 0 and torch.isclose(loss, expected, rtol=1e-5) and abs(norm - expected_norm) < 1e-4 * norm
+
+
+def test_at_full_width_every_gathered_row_is_reproduced():
+    samples, setting, _ = sequences_and_setting(seed=2)
+    full = fit_shared_key(sum((statistics_of(s.queries.float(), s.keys.float(), GEOMETRY) for s in samples[1:]),
+                              statistics_of(samples[0].queries.float(), samples[0].keys.float(), GEOMETRY)),
+                          GEOMETRY, KeyRanks.full(GEOMETRY))
+    stacked = _Sequences(samples, GEOMETRY, setting, slot_frequencies(full.ranks), targets=True)
+    problem = stacked.problem(torch.tensor([1, 3, 2]), [torch.tensor([0, 5, 12]), torch.tensor([8]),
+                                                        torch.tensor([3, 19])])
+    loss, norm = problem.loss(full.key_mixing.float(), full.query_core.float(), full.pass_core.float())
+    assert float(loss) < 1e-8 * norm
