@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 
 WINDOW = 0.2  # seconds of /proc/stat to judge the idle cores by
@@ -126,6 +127,10 @@ def return_freed_memory() -> bool:
     return bool(libc and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
+_HEAP_USERS = 0  # refinements running now: the heap stays until the last one is done
+_HEAP_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def reused_heap():
     """Within: blocks up to 32 MiB come from glibc's heap and are reused, as glibc does by default.
@@ -133,14 +138,22 @@ def reused_heap():
     Refinement allocates the same few-MB tensors at every Adam step; mmapped, each one is mapped, zeroed page
     by page and unmapped again, which made a calibrated compress of all-MiniLM-L6-v2 38% slower (refining
     23 -> 38 s). Its working set is one layer's, so a heap is harmless there; on the way out its free pages are
-    handed back (malloc_trim) and the 1 MiB threshold returns for the block-at-a-time passes."""
+    handed back (malloc_trim) and the 1 MiB threshold returns for the block-at-a-time passes. Layers refined
+    side by side in threads share it: the threshold returns when the last of them is done."""
+    global _HEAP_USERS
     libc = _libc()
     if libc is None:
         yield
         return
-    libc.mallopt(M_MMAP_THRESHOLD, HEAP_THRESHOLD)
+    with _HEAP_LOCK:
+        _HEAP_USERS += 1
+        if _HEAP_USERS == 1:
+            libc.mallopt(M_MMAP_THRESHOLD, HEAP_THRESHOLD)
     try:
         yield
     finally:
-        libc.malloc_trim(0)
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        with _HEAP_LOCK:
+            _HEAP_USERS -= 1
+            if _HEAP_USERS == 0:
+                libc.malloc_trim(0)
+                libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)

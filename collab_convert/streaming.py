@@ -102,7 +102,8 @@ class Cast:
 def stream_weights(source: SourceModel, folder: Path, options: CompressOptions, progress: Progress,
                    layer_specs: Callable[[AttentionLayer], list[TensorSpec]], fit: LayerFitter,
                    finished: FinishedLayers | None = None, workers: int = 0,
-                   passing: Callable[[str, TensorSpec], list[Passed]] = unchanged, guarded: bool = False):
+                   passing: Callable[[str, TensorSpec], list[Passed]] = unchanged, guarded: bool = False,
+                   stage: str = "fitting"):
     """Stream every tensor to the output in input order; at each attention layer, fit it and write its new
     tensors in place of the ones they replace. Every output tensor's name, dtype and shape is known
     (layer_specs) before anything is computed. Shards hold at most options.max_shard_size bytes; floating
@@ -114,25 +115,19 @@ def stream_weights(source: SourceModel, folder: Path, options: CompressOptions, 
     on one thread, so the output bytes do not depend on the number of workers (a product summed by two
     threads rounds differently from one summed by one). `passing` says how each tensor that is not replaced is
     written (unchanged, by default). `guarded` writes each layer's load guard (format.load_guard) after its
-    tensors: forms that load only through our quantizer."""
+    tensors: forms that load only through our quantizer. `stage` names what the writer waits on when a layer
+    fitted ahead is not ready (progress)."""
     cast = Cast(written_dtype(source, options.dtype))
     by_anchor = {layer.anchor: layer for layer in source.layers}
     replaced = {name for layer in source.layers for name in layer.replaced}
     guards = {layer.prefix: load_guard(layer.replaced, source.reader.spec(layer.anchor).dtype) if guarded else None
               for layer in source.layers}
-    specs = []
-    for name in source.reader.names():
-        if name in by_anchor:
-            layer = by_anchor[name]
-            specs += layer_specs(layer) + ([guards[layer.prefix]] if guards[layer.prefix] else [])
-        if name not in replaced:
-            spec = source.reader.spec(name)
-            specs += [part.spec(spec) for part in passing(name, spec)]
+    specs = _output_specs(source, layer_specs, guards, passing)
     writer = ShardWriter(folder, [cast.spec(spec) for spec in specs], parse_size(options.max_shard_size))
     reader, reports = source.reader, []
     names = reader.names()
     labels = layer_labels(source)
-    ahead = FitsAhead(fit, workers, [by_anchor[name] for name in names if name in by_anchor], finished)
+    ahead = FitsAhead(fit, workers, [by_anchor[name] for name in names if name in by_anchor], finished, stage)
     try:
         for index, name in enumerate(names):
             reader.release_all_but(name)  # keep one input shard mapped at a time
@@ -161,6 +156,23 @@ def stream_weights(source: SourceModel, folder: Path, options: CompressOptions, 
     return sorted(reports, key=lambda report: order[report.name]), files
 
 
+def _output_specs(source: SourceModel, layer_specs: Callable[[AttentionLayer], list[TensorSpec]], guards: dict,
+                  passing: Callable[[str, TensorSpec], list[Passed]]) -> list[TensorSpec]:
+    """Every output tensor's spec in write order: each layer's new tensors (and guard) at its anchor, every
+    tensor not replaced as `passing` writes it."""
+    by_anchor = {layer.anchor: layer for layer in source.layers}
+    replaced = {name for layer in source.layers for name in layer.replaced}
+    specs = []
+    for name in source.reader.names():
+        if name in by_anchor:
+            layer = by_anchor[name]
+            specs += layer_specs(layer) + ([guards[layer.prefix]] if guards[layer.prefix] else [])
+        if name not in replaced:
+            spec = source.reader.spec(name)
+            specs += [part.spec(spec) for part in passing(name, spec)]
+    return specs
+
+
 def _pass_through(reader, writer: ShardWriter, name: str, parts: list[Passed], cast: Cast) -> None:
     """Copy a tensor (or rows of it) unchanged: its bytes where the input is safetensors and the precision stays,
     never loading it whole; else its values, cast."""
@@ -181,8 +193,10 @@ class FitsAhead:
     its device in every tensor it makes (options.device): torch's modes and a thread's current CUDA device and
     stream are per thread, so nothing set in the caller's thread may be relied on here."""
 
-    def __init__(self, fit: LayerFitter, workers: int, layers: list[AttentionLayer], finished: FinishedLayers | None):
-        self.fit, self.workers = fit, workers
+    def __init__(self, fit: LayerFitter, workers: int, layers: list[AttentionLayer], finished: FinishedLayers | None,
+                 stage: str = "fitting"):
+        self.fit, self.workers, self.stage = fit, workers, stage
+        self.done, self.total = 0, len(layers)
         self.waiting = [layer for layer in layers if not (finished and finished.has(layer))] if workers else []
         self.pending: dict[str, Any] = {}
         self.pool = self.threads = None
@@ -206,9 +220,11 @@ class FitsAhead:
         future = self.pending.pop(layer.prefix, None)
         if future is None:  # fitted where it streams past (no workers, or a saved layer that failed to load)
             return self.fit(layer, progress)
-        if not future.done():  # the writer waits on the math: show it as fitting
-            progress(f"fitting{DETAIL}{label}", 0, 1)
+        # as a fit in place does: the layer the writer takes next, and how many it has taken (each one saved for
+        # --resume by then)
+        progress(f"{self.stage}{DETAIL}{label}", self.done, self.total)
         result = future.result()
+        self.done += 1
         self._top_up()
         return result
 

@@ -96,3 +96,23 @@ def test_output_bytes_do_not_depend_on_the_number_of_threads(tiny_llama, tmp_pat
                            "--threads", threads, "--no-plots", "-q")
         assert code == 0, err
     assert (tmp_path / "1" / "model.safetensors").read_bytes() == (tmp_path / "2" / "model.safetensors").read_bytes()
+
+
+def test_layers_refined_side_by_side_show_refining_layer_by_layer(tmp_path):
+    from collab_convert import CompressOptions, compress
+    from fixtures.models import save_tiny_tokenizer
+
+    decoder = tmp_path / "llama"
+    build_rotary(next(c for c in ROTARY_CASES if c.name == "llama"), decoder)
+    save_tiny_tokenizer(decoder)
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(f"the {w} was on the {v}" for w in "abcdef" for v in "ghij") + "\n")
+    seen = []
+    result = compress(str(decoder), CompressOptions(key_cache=0.5, output=tmp_path / "out", threads=2, plots=False,
+                                                    calibration=texts, refine_steps=20),
+                      lambda stage, done, total: seen.append((stage, done, total)))
+    refining = [(done, total) for stage, done, total in seen if stage.startswith("refining")]
+    layers = len(result.layers)
+    assert [done for done, _ in refining] == list(range(layers)) and {total for _, total in refining} == {layers}
+    assert all(layer.refinement and layer.refinement["steps"] > 0 for layer in result.layers)
+    assert result.stage_seconds["refining"] > 0 and "fitting" not in result.stage_seconds

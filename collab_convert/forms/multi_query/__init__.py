@@ -80,7 +80,7 @@ class MultiQueryForm(Form):
                 folder: Path, progress: Progress, finished: FinishedLayers):
         profile = next(iter(sizes.values()))
         return convert_weights(source, options, folder, progress, profile.width, profile, statistics.records,
-                               finished)
+                               finished, refining=statistics.calibration is not None and bool(options.refine_steps))
 
     def write_record(self, source: SourceModel, reports: list, folder: Path, options: CompressOptions,
                      statistics: Statistics) -> None:

@@ -24,7 +24,7 @@ from ...decompose.value_latent import fit_value_latent, head_up_projections, out
 from ...options import CompressOptions
 from ...progress import DETAIL, Progress
 from ...results import MultiQueryLayerReport, rounded
-from ...streaming import layer_labels, stream_weights
+from ...streaming import fit_workers, layer_labels, stream_weights
 from ..shared_key.fitting import score_shares, shape_of
 from ..shared_key.statistics import geometry_of
 
@@ -40,7 +40,7 @@ def key_profile(source: SourceModel, statistics: Mapping, width: int) -> KeyRank
 
 
 def convert_weights(source: SourceModel, options: CompressOptions, folder: Path, progress: Progress, width: int,
-                    profile: KeyRanks, records: Mapping, finished=None):
+                    profile: KeyRanks, records: Mapping, finished=None, refining: bool = False):
     """Every tensor to the output in input order; at each attention layer, its stock query, key, value and output
     projections (fitted, and refined where calibration kept samples, there) in place of the original's."""
     labels = layer_labels(source)
@@ -54,9 +54,9 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
         progress(f"{stage}{DETAIL}{labels[layer.prefix]}", source.layers.index(layer), len(source.layers))
         return _fit_layer(source, layer, width, profile, record, options)
 
-    # one layer at a time: refinement holds calibration samples, and the fits are small beside it
-    return stream_weights(source, folder, options, progress, specs, fit, finished,
-                          passing=source.layout.passing)
+    # side by side, one torch thread each, as the shared-key form's (forms/shared_key/fitting.py)
+    return stream_weights(source, folder, options, progress, specs, fit, finished, workers=fit_workers(),
+                          passing=source.layout.passing, stage="refining" if refining else "fitting")
 
 
 def _fit_layer(source: SourceModel, layer: AttentionLayer, width: int, profile: KeyRanks, record,

@@ -1,0 +1,53 @@
+"""Refinement's reused heap (cpu.reused_heap) is process-wide: layers refined side by side in threads share it, and
+the 1 MiB mmap threshold of the block-at-a-time passes returns only when the last of them is done."""
+
+import threading
+
+from collab_convert import cpu
+
+
+class RecordingLibc:
+    def __init__(self):
+        self.calls = []
+
+    def mallopt(self, parameter, value):
+        self.calls.append(("mallopt", value))
+        return 1
+
+    def malloc_trim(self, pad):
+        self.calls.append(("trim", pad))
+        return 1
+
+
+def test_the_heap_stays_until_the_last_refinement_sharing_it_is_done(monkeypatch):
+    libc = RecordingLibc()
+    monkeypatch.setattr(cpu, "_libc", lambda: libc)
+    first_inside, second_done = threading.Event(), threading.Event()
+
+    def first():
+        with cpu.reused_heap():
+            first_inside.set()
+            second_done.wait(5)
+            assert libc.calls == [("mallopt", cpu.HEAP_THRESHOLD)]  # the other one left: the heap is still ours
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    first_inside.wait(5)
+    with cpu.reused_heap():
+        pass
+    second_done.set()
+    thread.join(5)
+    assert libc.calls == [("mallopt", cpu.HEAP_THRESHOLD), ("trim", 0), ("mallopt", cpu.MMAP_THRESHOLD)]
+
+
+def test_an_error_inside_still_gives_the_threshold_back(monkeypatch):
+    libc = RecordingLibc()
+    monkeypatch.setattr(cpu, "_libc", lambda: libc)
+    try:
+        with cpu.reused_heap():
+            raise ValueError("a refinement that failed")
+    except ValueError:
+        pass
+    assert libc.calls[-1] == ("mallopt", cpu.MMAP_THRESHOLD)
+    with cpu.reused_heap():  # and the next one takes the heap again
+        assert libc.calls[-1] == ("mallopt", cpu.HEAP_THRESHOLD)
