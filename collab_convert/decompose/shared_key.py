@@ -80,19 +80,30 @@ def complex_pairs(vectors: torch.Tensor, rotary_dim: int) -> torch.Tensor:
 
 
 def statistics_of(queries: torch.Tensor, keys: torch.Tensor, geometry: HeadGeometry) -> KeyStatistics:
-    """Sums (not means) over the tokens of one sequence: queries (n, N_h, d) and keys (n, G, d), before RoPE."""
-    key_pairs = complex_pairs(keys, geometry.rotary_dim).permute(2, 1, 0)  # (F, G, n)
-    query_pairs = complex_pairs(queries, geometry.rotary_dim)  # (n, N_h, F)
+    """Sums (not means) over the tokens of one sequence: queries (n, N_h, d) and keys (n, G, d), before RoPE.
+
+    In real arithmetic, float64: a frequency's complex key moment from the Gram matrix of its keys' real and
+    imaginary parts, |q|^2 as the sum of the two squares. Complex tensors cost six times as much here (abs, the
+    conjugate's copies): a sixteenth of SmolLM2's calibration pass."""
+    half, rotary, groups = geometry.frequencies, geometry.rotary_dim, geometry.kv_heads
+    keys64 = keys.double()
+    parts = torch.cat([keys64[..., :half], keys64[..., half:rotary]], 1).permute(2, 1, 0).contiguous()  # (F, 2G, n)
+    gram = parts @ parts.transpose(1, 2)  # (F, 2G, 2G)
+    real, imaginary = gram[:, :groups, :groups], gram[:, groups:, groups:]
+    # k k^H for k = a + ib: a a^T + b b^T + i (b a^T - a b^T)
+    key_moment = torch.complex(real + imaginary, gram[:, groups:, :groups] - gram[:, :groups, groups:])
+    rotated = queries[..., :rotary].double()
+    squares = (rotated * rotated).sum(0)  # (N_h, rotary_dim); ** 2 took twice as long
     group_of_head = geometry.group_of_head.to(queries.device)
-    energy = torch.zeros(geometry.frequencies, geometry.kv_heads, dtype=torch.float64, device=queries.device)
-    energy.index_add_(1, group_of_head, (query_pairs.abs() ** 2).sum(0).T)
+    energy = torch.zeros(half, groups, dtype=torch.float64, device=queries.device)
+    energy.index_add_(1, group_of_head, (squares[:, :half] + squares[:, half:]).T)
     p = geometry.pass_dim
     pass_keys = keys[..., geometry.rotary_dim:].reshape(keys.shape[0], -1).double()
     centred = pass_keys - pass_keys.mean(0, keepdim=True)
     pass_queries = queries[..., geometry.rotary_dim:].double()  # (n, N_h, p)
     query_moment = torch.zeros(geometry.kv_heads, p, p, dtype=torch.float64, device=queries.device)
     query_moment.index_add_(0, group_of_head, torch.einsum("nhp,nhq->hpq", pass_queries, pass_queries))
-    return KeyStatistics(key_pairs @ key_pairs.conj().transpose(1, 2), energy, centred.T @ centred, query_moment)
+    return KeyStatistics(key_moment, energy, centred.T @ centred, query_moment)
 
 
 def projection_tokens(weight: torch.Tensor, bias: torch.Tensor | None, heads: int, head_dim: int) -> torch.Tensor:

@@ -176,3 +176,23 @@ def test_refinement_reads_bidirectional_attention_with_a_position_bias():
     assert torch.allclose(problem.target[0], expected, atol=1e-5)  # no causal mask, the bias where it belongs
     refined = refine_shared_key(samples, factors, geometry, setting, steps=40)
     assert refined.kl_after <= refined.kl_before and refined.kl_before > 0
+
+
+@pytest.mark.parametrize("geometry", [HeadGeometry(6, 2, 16, 16), HeadGeometry(4, 4, 16, 4)], ids=["grouped", "partial"])
+def test_statistics_are_the_complex_moments_of_each_frequency(geometry):
+    # computed in real arithmetic for speed; by definition, frequency j of a head is the complex number
+    # (dim j) + i (dim j + rotary_dim/2), and the key moment is sum_tokens k_j k_j^H over the groups
+    from collab_convert.decompose.shared_key import complex_pairs, statistics_of
+
+    g = torch.Generator().manual_seed(11)
+    queries = torch.randn(40, geometry.num_heads, geometry.head_dim, generator=g)
+    keys = torch.randn(40, geometry.kv_heads, geometry.head_dim, generator=g)
+    statistics = statistics_of(queries, keys, geometry)
+    key_pairs = complex_pairs(keys, geometry.rotary_dim)  # (n, G, F)
+    expected_moment = torch.einsum("ngf,nhf->fgh", key_pairs, key_pairs.conj())
+    query_pairs = complex_pairs(queries, geometry.rotary_dim)  # (n, N_h, F)
+    per_head = (query_pairs.abs() ** 2).sum(0)  # (N_h, F)
+    expected_energy = torch.stack([per_head[geometry.group_of_head == group].sum(0)
+                                   for group in range(geometry.kv_heads)], 1)
+    assert torch.allclose(statistics.key_moment, expected_moment, rtol=1e-12, atol=1e-10)
+    assert torch.allclose(statistics.query_energy, expected_energy, rtol=1e-12, atol=1e-10)
