@@ -126,7 +126,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
         return _fit_layer(source, layer, ranks[layer.prefix], layer_statistics, normed, calibration, options)
 
     # Refined layers side by side too, one torch thread each: a step's operations are small enough that two
-    # threads on one of them wait on each other more than they share (SmolLM2, two cores: four layers in 0.69-0.80
+    # threads on one of them wait on each other more than they share (SmolLM2, two cores: four layers in 0.69-0.87
     # of the time). Memory holds as many layers' calibration samples as there are workers.
     refined = bool(calibrations and options.refine_steps)
     return stream_weights(source, folder, options, progress, specs, fit, finished, workers=fit_workers(),
