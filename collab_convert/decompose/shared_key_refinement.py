@@ -67,38 +67,39 @@ class _Sequences:
     def __init__(self, samples: list[SharedKeySample], geometry: HeadGeometry, setting: AttentionSetting,
                  slots: torch.Tensor, device: Device = HOST, targets: bool = False):
         self.geometry, self.setting, self.slots = geometry, setting, slots
-        self.lengths = torch.tensor([sample.keys.shape[0] for sample in samples])
-        length = int(self.lengths.max())
 
         def stacked(part) -> torch.Tensor:  # (S, n, heads, d) in float32, zero past each sequence's end
-            out = torch.zeros(len(samples), length, *part(samples[0]).shape[1:])
+            out = torch.zeros(len(samples), max(part(sample).shape[0] for sample in samples),
+                              *part(samples[0]).shape[1:])
             for i, sample in enumerate(samples):
                 out[i, : part(sample).shape[0]] = part(sample).float()
             return out.to(device)
 
+        # queries and keys may differ in length (encoder-decoder attention reads another sequence's keys)
         queries = stacked(lambda sample: sample.queries).transpose(1, 2)  # (S, H, n, d)
-        cos, sin = setting.cos[:length], setting.sin[:length]
+        cos, sin = setting.cos[: queries.shape[2]], setting.sin[: queries.shape[2]]
         self.queries = rotate_half_dims(queries, cos, sin, geometry.rotary_dim).transpose(1, 2)  # (S, n, H, d)
-        self.keys = stacked(lambda sample: sample.keys)  # (S, n, G, d), before RoPE
+        self.keys = stacked(lambda sample: sample.keys)  # (S, m, G, d), before RoPE
         self.values = stacked(lambda sample: sample.values) if samples[0].values is not None else None
-        self.lengths = self.lengths.to(device)
+        self.query_lengths = torch.tensor([sample.queries.shape[0] for sample in samples], device=device)
+        self.key_lengths = torch.tensor([sample.keys.shape[0] for sample in samples], device=device)
         self.target_output = None
         if targets and self.values is not None and setting.output_weight is not None:
             with torch.no_grad():  # in float32, as every check's target
                 self.target_output = torch.cat([problem.target_output for problem in self.problems()])
 
     def __len__(self) -> int:
-        return self.lengths.shape[0]
+        return self.key_lengths.shape[0]
 
     def problem(self, chosen: torch.Tensor, picks: list[torch.Tensor] | None = None,
                 products: torch.dtype = torch.float32) -> _Problem:
-        """Sequences `chosen` at positions `picks` (one sorted tensor each; None: every position up to the
-        longest sequence of the set), keys up to the longest chosen one."""
-        chosen = chosen.to(self.lengths.device)
-        lengths = self.lengths[chosen]
+        """Sequences `chosen` at query positions `picks` (one sorted tensor each; None: every position up to the
+        longest query sequence of the set), keys up to the longest chosen one."""
+        chosen = chosen.to(self.key_lengths.device)
+        lengths = self.key_lengths[chosen]
         if picks is None:
             positions = torch.arange(self.queries.shape[1], device=chosen.device).expand(len(chosen), -1)
-            row_valid = positions < lengths[:, None]
+            row_valid = positions < self.query_lengths[chosen][:, None]
         else:
             width = max(pick.shape[0] for pick in picks)
             positions = torch.zeros(len(chosen), width, dtype=torch.long)
@@ -291,7 +292,7 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
     products = training_products(device)  # the steps' products; the held-out checks stay in float32
 
     sequences = _Sequences(train, geometry, setting, slots, device, targets=True)
-    lengths = [sample.queries.shape[0] for sample in train]
+    lengths = sequences.query_lengths.tolist()
 
     def minibatch_loss() -> torch.Tensor:
         chosen = torch.randperm(len(train), generator=generator)[:batch_sequences]

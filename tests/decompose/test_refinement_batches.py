@@ -76,3 +76,25 @@ def test_at_full_width_every_gathered_row_is_reproduced():
                                                         torch.tensor([3, 19])])
     loss, norm = problem.loss(full.key_mixing.float(), full.query_core.float(), full.pass_core.float())
     assert float(loss) < 1e-8 * norm
+
+
+def test_queries_may_read_keys_of_another_length():
+    # encoder-decoder attention: every query sees all of another sequence's keys, of another length
+    samples, setting, factors = sequences_and_setting(seed=3)
+    generator = torch.Generator().manual_seed(4)
+    crossed = [SharedKeySample(torch.randn(n, 6, 8, generator=generator).half(), s.keys, s.values)
+               for n, s in zip([5, 24, 11, 16, 8, 21], samples)]
+    setting.causal = False
+    stacked = _Sequences(crossed, GEOMETRY, setting, slot_frequencies(factors.ranks), targets=True)
+    problem = stacked.problem(torch.tensor([0, 3]), [torch.tensor([1, 4]), torch.tensor([0, 15])])
+    for i, (sample, rows) in enumerate(zip([crossed[0], crossed[3]], [torch.tensor([1, 4]), torch.tensor([0, 15])])):
+        queries = rotate_half_dims(sample.queries.float().transpose(0, 1), setting.cos[: len(sample.queries)],
+                                   setting.sin[: len(sample.queries)], 8)
+        m = sample.keys.shape[0]
+        keys = rotate_half_dims(sample.keys.float().transpose(0, 1), setting.cos[:m], setting.sin[:m], 8)
+        heads = [torch.softmax(queries[h] @ keys[h // 3].T * setting.scaling, -1) @ sample.values.float()[:, h // 3]
+                 for h in range(6)]
+        expected = (torch.cat(heads, -1) @ setting.output_weight.T)[rows]
+        assert torch.allclose(problem.target_output[i], expected, atol=1e-4)
+    every = stacked.problems()[0]
+    assert every.rows.sum(1).tolist() == [5, 24, 11, 16, 8, 21]  # each sequence's own queries, no more
