@@ -122,7 +122,7 @@ def stream_weights(source: SourceModel, folder: Path, options: CompressOptions, 
     replaced = {name for layer in source.layers for name in layer.replaced}
     guards = {layer.prefix: load_guard(layer.replaced, source.reader.spec(layer.anchor).dtype) if guarded else None
               for layer in source.layers}
-    specs = _output_specs(source, layer_specs, guards, passing)
+    specs = _output_specs(source, layer_specs, guards, passing, by_anchor, replaced)
     writer = ShardWriter(folder, [cast.spec(spec) for spec in specs], parse_size(options.max_shard_size))
     reader, reports = source.reader, []
     names = reader.names()
@@ -157,11 +157,10 @@ def stream_weights(source: SourceModel, folder: Path, options: CompressOptions, 
 
 
 def _output_specs(source: SourceModel, layer_specs: Callable[[AttentionLayer], list[TensorSpec]], guards: dict,
-                  passing: Callable[[str, TensorSpec], list[Passed]]) -> list[TensorSpec]:
+                  passing: Callable[[str, TensorSpec], list[Passed]], by_anchor: dict[str, AttentionLayer],
+                  replaced: set[str]) -> list[TensorSpec]:
     """Every output tensor's spec in write order: each layer's new tensors (and guard) at its anchor, every
-    tensor not replaced as `passing` writes it."""
-    by_anchor = {layer.anchor: layer for layer in source.layers}
-    replaced = {name for layer in source.layers for name in layer.replaced}
+    tensor not `replaced` as `passing` writes it."""
     specs = []
     for name in source.reader.names():
         if name in by_anchor:

@@ -73,12 +73,6 @@ class KeyStatistics:
         return self.key_moment, self.query_energy, self.pass_key_covariance, self.pass_query_moment
 
 
-def complex_pairs(vectors: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    """(..., head_dim) real -> (..., rotary_dim/2) complex: dimension j with j + rotary_dim/2."""
-    half = rotary_dim // 2
-    return torch.complex(vectors[..., :half].double(), vectors[..., half:rotary_dim].double())
-
-
 def statistics_of(queries: torch.Tensor, keys: torch.Tensor, geometry: HeadGeometry) -> KeyStatistics:
     """Sums (not means) over the tokens of one sequence: queries (n, N_h, d) and keys (n, G, d), before RoPE.
 

@@ -182,7 +182,11 @@ def test_refinement_reads_bidirectional_attention_with_a_position_bias():
 def test_statistics_are_the_complex_moments_of_each_frequency(geometry):
     # computed in real arithmetic for speed; by definition, frequency j of a head is the complex number
     # (dim j) + i (dim j + rotary_dim/2), and the key moment is sum_tokens k_j k_j^H over the groups
-    from collab_convert.decompose.shared_key import complex_pairs, statistics_of
+    from collab_convert.decompose.shared_key import statistics_of
+
+    def complex_pairs(vectors, rotary_dim):  # (..., head_dim) -> (..., rotary_dim/2): dim j + i dim (j + half)
+        half = rotary_dim // 2
+        return torch.complex(vectors[..., :half].double(), vectors[..., half:rotary_dim].double())
 
     g = torch.Generator().manual_seed(11)
     queries = torch.randn(40, geometry.num_heads, geometry.head_dim, generator=g)
