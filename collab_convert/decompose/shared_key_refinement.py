@@ -45,6 +45,11 @@ class AttentionSetting:
     causal: bool = True  # each query sees the keys up to its own position (False: encoders, cross-attention)
     position_bias: torch.Tensor | None = None  # (N_h, n_max, m_max) added to the scaled scores (T5's)
 
+    def on(self, device: Device) -> AttentionSetting:
+        """The same setting with its tables on `device`."""
+        return replace(self, **moved({"cos": self.cos, "sin": self.sin, "output_weight": self.output_weight,
+                                      "position_bias": self.position_bias}, device))
+
 
 @dataclass
 class SharedKeyRefinement:
@@ -240,8 +245,7 @@ def attention_output_error(samples: list[SharedKeySample], factors: SharedKeyFac
     """The error of the layer's attention output through the output projection on every sample, as a share of its
     energy: how good a start is, before refinement."""
     slots = slot_frequencies(factors.ranks).to(device)
-    setting = replace(setting, **moved({"cos": setting.cos, "sin": setting.sin, "output_weight": setting.output_weight,
-                                        "position_bias": setting.position_bias}, device))
+    setting = setting.on(device)
     start = [t.to(device, torch.float32) for t in (factors.key_mixing, factors.query_core, factors.pass_core)]
     if values is not None:
         start += [values.down.to(device, torch.float32),
@@ -264,8 +268,7 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
     latent refined together with the key where one is given. The steps run on `device`; the samples wait in host
     memory, and the result comes back there."""
     slots = slot_frequencies(factors.ranks).to(device)
-    setting = replace(setting, **moved({"cos": setting.cos, "sin": setting.sin, "output_weight": setting.output_weight,
-                                        "position_bias": setting.position_bias}, device))
+    setting = setting.on(device)
     held = max(len(samples) // 10, 1) if len(samples) >= 10 else 0
     train, check = (samples[:-held], samples[-held:]) if held else (samples, samples)
     checks = _Sequences(check, geometry, setting, slots, device).problems()
