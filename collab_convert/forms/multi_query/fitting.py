@@ -54,8 +54,9 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
         progress(f"{stage}{DETAIL}{labels[layer.prefix]}", source.layers.index(layer), len(source.layers))
         return _fit_layer(source, layer, width, profile, record, options)
 
-    # side by side, one torch thread each, as the shared-key form's (forms/shared_key/fitting.py)
-    return stream_weights(source, folder, options, progress, specs, fit, finished, workers=fit_workers(),
+    # refined layers one at a time, as the shared-key form's (forms/shared_key/fitting.py: memory)
+    return stream_weights(source, folder, options, progress, specs, fit, finished,
+                          workers=0 if refining else fit_workers(),
                           passing=source.layout.passing, stage="refining" if refining else "fitting")
 
 
