@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cpu import return_freed_heap
 from ..devices import HOST, Device, moved, unavailable
 from ..errors import BadInputError
 from ..options import gate_failures
@@ -122,6 +123,7 @@ def compare_language_models(model, base, tokenizer, texts: list[str], max_length
         states, kinds = {}, {}
         for name, which in (("base", base), ("model", model)):
             output = body_output(which, input_ids, attention_mask)
+            return_freed_heap()  # the pass's freed small blocks, before the next pass piles more on them
             states[name], kinds[name] = output[0], type(output)
             embedding = mean_pooled(states[name], attention_mask)
             pooled[name].append(torch.nn.functional.normalize(embedding, dim=-1).to(HOST))

@@ -117,3 +117,24 @@ def test_a_model_whose_forward_does_not_read_its_body_is_refused_not_mismeasured
 
     with pytest.raises(RuntimeError, match="does not compute its logits from its body"):
         head_logits(Elsewhere(), (torch.zeros(1, 3, 4),), torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_each_pass_hands_its_freed_heap_back(tmp_path, monkeypatch):
+    """After each model's pass on a batch, glibc trims its heap: an offloaded pass frees many small blocks between
+    long-lived ones, and untrimmed they piled up pass after pass (cpu.return_freed_heap)."""
+    from transformers import AutoTokenizer
+
+    from collab_convert import cpu
+    from collab_convert.integration import fidelity
+
+    model, base = MODELS["llama"]()
+    model.save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    monkeypatch.setattr(batches, "batch_tokens", lambda width: 48)
+    passes, trims = [], []
+    body = fidelity.body_output
+    monkeypatch.setattr(fidelity, "body_output", lambda *args: passes.append(1) or body(*args))
+    monkeypatch.setattr(cpu, "_libc", lambda: type("Libc", (), {"malloc_trim": lambda self, pad: trims.append(pad)})())
+    compare_language_models(model, base, tokenizer, TEXTS)
+    assert len(passes) > 2 and trims == [0] * len(passes)
