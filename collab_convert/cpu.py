@@ -150,8 +150,9 @@ def reused_heap():
     Refinement allocates the same few-MB tensors at every Adam step; mmapped, each one is mapped, zeroed page
     by page and unmapped again, which made a calibrated compress of all-MiniLM-L6-v2 38% slower (refining
     23 -> 38 s). Its working set is one layer's, so a heap is harmless there; on the way out its free pages are
-    handed back (malloc_trim) and the 1 MiB threshold returns for the block-at-a-time passes. Layers refined
-    side by side in threads share it: the threshold returns when the last of them is done."""
+    handed back (malloc_trim) and the 1 MiB threshold returns for the block-at-a-time passes. Nested or
+    threaded users share it: the threshold returns when the last of them is done. Not used around forward
+    passes: there the heap grew by hundreds of MB (benchmarks.md, "What the fixed 1 MiB mmap threshold costs")."""
     global _HEAP_USERS
     libc = _libc()
     if libc is None:
