@@ -102,8 +102,7 @@ class Cast:
 def stream_weights(source: SourceModel, folder: Path, options: CompressOptions, progress: Progress,
                    layer_specs: Callable[[AttentionLayer], list[TensorSpec]], fit: LayerFitter,
                    finished: FinishedLayers | None = None, workers: int = 0,
-                   passing: Callable[[str, TensorSpec], list[Passed]] = unchanged, guarded: bool = False,
-                   stage: str = "fitting"):
+                   passing: Callable[[str, TensorSpec], list[Passed]] = unchanged, guarded: bool = False):
     """Stream every tensor to the output in input order; at each attention layer, fit it and write its new
     tensors in place of the ones they replace. Every output tensor's name, dtype and shape is known
     (layer_specs) before anything is computed. Shards hold at most options.max_shard_size bytes; floating
@@ -115,8 +114,7 @@ def stream_weights(source: SourceModel, folder: Path, options: CompressOptions, 
     on one thread, so the output bytes do not depend on the number of workers (a product summed by two
     threads rounds differently from one summed by one). `passing` says how each tensor that is not replaced is
     written (unchanged, by default). `guarded` writes each layer's load guard (format.load_guard) after its
-    tensors: forms that load only through our quantizer. `stage` names what the writer waits on when a layer
-    fitted ahead is not ready (progress)."""
+    tensors: forms that load only through our quantizer."""
     cast = Cast(written_dtype(source, options.dtype))
     by_anchor = {layer.anchor: layer for layer in source.layers}
     replaced = {name for layer in source.layers for name in layer.replaced}
@@ -127,7 +125,7 @@ def stream_weights(source: SourceModel, folder: Path, options: CompressOptions, 
     reader, reports = source.reader, []
     names = reader.names()
     labels = layer_labels(source)
-    ahead = FitsAhead(fit, workers, [by_anchor[name] for name in names if name in by_anchor], finished, stage)
+    ahead = FitsAhead(fit, workers, [by_anchor[name] for name in names if name in by_anchor], finished)
     try:
         for index, name in enumerate(names):
             reader.release_all_but(name)  # keep one input shard mapped at a time
@@ -192,9 +190,8 @@ class FitsAhead:
     its device in every tensor it makes (options.device): torch's modes and a thread's current CUDA device and
     stream are per thread, so nothing set in the caller's thread may be relied on here."""
 
-    def __init__(self, fit: LayerFitter, workers: int, layers: list[AttentionLayer], finished: FinishedLayers | None,
-                 stage: str = "fitting"):
-        self.fit, self.workers, self.stage = fit, workers, stage
+    def __init__(self, fit: LayerFitter, workers: int, layers: list[AttentionLayer], finished: FinishedLayers | None):
+        self.fit, self.workers = fit, workers
         self.done, self.total = 0, len(layers)
         self.waiting = [layer for layer in layers if not (finished and finished.has(layer))] if workers else []
         self.pending: dict[str, Any] = {}
@@ -221,7 +218,7 @@ class FitsAhead:
             return self.fit(layer, progress)
         # as a fit in place does: the layer the writer takes next, and how many it has taken (each one saved for
         # --resume by then)
-        progress(f"{self.stage}{DETAIL}{label}", self.done, self.total)
+        progress(f"fitting{DETAIL}{label}", self.done, self.total)
         result = future.result()
         self.done += 1
         self._top_up()

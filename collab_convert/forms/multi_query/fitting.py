@@ -57,7 +57,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
     # refined layers one at a time, as the shared-key form's (forms/shared_key/fitting.py: memory)
     return stream_weights(source, folder, options, progress, specs, fit, finished,
                           workers=0 if refining else fit_workers(),
-                          passing=source.layout.passing, stage="refining" if refining else "fitting")
+                          passing=source.layout.passing)
 
 
 def _fit_layer(source: SourceModel, layer: AttentionLayer, width: int, profile: KeyRanks, record,

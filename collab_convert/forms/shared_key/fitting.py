@@ -131,7 +131,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
     refined = bool(calibrations and options.refine_steps)
     return stream_weights(source, folder, options, progress, specs, fit, finished,
                           workers=0 if refined else fit_workers(),
-                          guarded=True, stage="refining" if refined else "fitting")
+                          guarded=True)
 
 
 def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, statistics: KeyStatistics,
