@@ -139,7 +139,7 @@ def return_freed_heap() -> None:
         libc.malloc_trim(0)
 
 
-_HEAP_USERS = 0  # refinements running now: the heap stays until the last one is done
+_HEAP_USERS = 0  # callers inside reused_heap now: the heap stays until the last one is done
 _HEAP_LOCK = threading.Lock()
 
 
