@@ -150,8 +150,10 @@ def reused_heap():
     Refinement allocates the same few-MB tensors at every Adam step; mmapped, each one is mapped, zeroed page
     by page and unmapped again, which made a calibrated compress of all-MiniLM-L6-v2 38% slower (refining
     23 -> 38 s). Its working set is one layer's, so a heap is harmless there; on the way out its free pages are
-    handed back (malloc_trim) and the 1 MiB threshold returns for the block-at-a-time passes. Nested or
-    threaded users share it: the threshold returns when the last of them is done. Not used around forward
+    handed back (malloc_trim) and the 1 MiB threshold returns for the block-at-a-time passes. On the way in too:
+    the heap then grows from what is live, not on top of what the work before it freed (a layer's PCA fit left
+    80-160 MB of freed small blocks under each refinement of a 12-layer GPT-2-medium-shaped checkpoint). Nested
+    or threaded users share it: the threshold returns when the last of them is done. Not used around forward
     passes: there the heap grew by hundreds of MB (benchmarks.md, "What the fixed 1 MiB mmap threshold costs")."""
     global _HEAP_USERS
     libc = _libc()
@@ -161,6 +163,7 @@ def reused_heap():
     with _HEAP_LOCK:
         _HEAP_USERS += 1
         if _HEAP_USERS == 1:
+            libc.malloc_trim(0)
             libc.mallopt(M_MMAP_THRESHOLD, HEAP_THRESHOLD)
     try:
         yield

@@ -28,7 +28,7 @@ def test_the_heap_stays_until_the_last_refinement_sharing_it_is_done(monkeypatch
         with cpu.reused_heap():
             first_inside.set()
             second_done.wait(5)
-            assert libc.calls == [("mallopt", cpu.HEAP_THRESHOLD)]  # the other one left: the heap is still ours
+            assert libc.calls == [("trim", 0), ("mallopt", cpu.HEAP_THRESHOLD)]  # the other one left: still ours
 
     thread = threading.Thread(target=first)
     thread.start()
@@ -37,7 +37,7 @@ def test_the_heap_stays_until_the_last_refinement_sharing_it_is_done(monkeypatch
         pass
     second_done.set()
     thread.join(5)
-    assert libc.calls == [("mallopt", cpu.HEAP_THRESHOLD), ("trim", 0), ("mallopt", cpu.MMAP_THRESHOLD)]
+    assert libc.calls == [("trim", 0), ("mallopt", cpu.HEAP_THRESHOLD), ("trim", 0), ("mallopt", cpu.MMAP_THRESHOLD)]
 
 
 def test_an_error_inside_still_gives_the_threshold_back(monkeypatch):
@@ -51,3 +51,13 @@ def test_an_error_inside_still_gives_the_threshold_back(monkeypatch):
     assert libc.calls[-1] == ("mallopt", cpu.MMAP_THRESHOLD)
     with cpu.reused_heap():  # and the next one takes the heap again
         assert libc.calls[-1] == ("mallopt", cpu.HEAP_THRESHOLD)
+
+
+def test_the_heap_is_trimmed_before_a_refinement_takes_it(monkeypatch):
+    """What the work before freed (a layer's fit) is handed back first: the heap grows from what is live."""
+    libc = RecordingLibc()
+    monkeypatch.setattr(cpu, "_libc", lambda: libc)
+    with cpu.reused_heap():
+        assert libc.calls == [("trim", 0), ("mallopt", cpu.HEAP_THRESHOLD)]
+        with cpu.reused_heap():  # a user inside another's heap takes it as it is
+            assert libc.calls == [("trim", 0), ("mallopt", cpu.HEAP_THRESHOLD)]
