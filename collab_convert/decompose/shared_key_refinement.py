@@ -12,6 +12,7 @@ from).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -90,8 +91,8 @@ class _Sequences:
         self.key_lengths = torch.tensor([sample.keys.shape[0] for sample in samples], device=device)
         self.target_output = None
         if targets and self.values is not None and setting.output_weight is not None:
-            with torch.no_grad():  # in float32, as every check's target
-                self.target_output = torch.cat([problem.target_output for problem in self.problems()])
+            with torch.no_grad():  # in float32, as every check's target; one problem's attention held at a time
+                self.target_output = torch.cat([problem.target_output for problem in self.each_problem(2)])
 
     def __len__(self) -> int:
         return self.key_lengths.shape[0]
@@ -122,7 +123,14 @@ class _Sequences:
 
     def problems(self, size: int = 8) -> list[_Problem]:
         """Every sequence at every position, `size` sequences a problem."""
-        return [self.problem(torch.arange(start, min(start + size, len(self)))) for start in range(0, len(self), size)]
+        return list(self.each_problem(size))
+
+    def each_problem(self, size: int = 8) -> Iterator[_Problem]:
+        """problems(), each made as it is asked for: a problem keeps its original attention (a few MB per
+        sequence), so where each is used once, only one is held (the stacked targets of SmolLM2's 270 calibration
+        sequences were computed with all 34 problems alive at once)."""
+        for start in range(0, len(self), size):
+            yield self.problem(torch.arange(start, min(start + size, len(self))))
 
 
 class _Problem:
@@ -253,7 +261,7 @@ def attention_output_error(samples: list[SharedKeySample], factors: SharedKeyFac
                   geometry.num_heads else values.up.to(device, torch.float32)]
     total, energy = 0.0, 0.0
     with torch.no_grad():
-        for problem in _Sequences(samples, geometry, setting, slots, device).problems():
+        for problem in _Sequences(samples, geometry, setting, slots, device).each_problem():
             loss, norm = problem.loss(*start)
             total, energy = total + float(loss), energy + norm
     return total / max(energy, 1e-30)

@@ -98,3 +98,32 @@ def test_queries_may_read_keys_of_another_length():
         assert torch.allclose(problem.target_output[i], expected, atol=1e-4)
     every = stacked.problems()[0]
     assert every.rows.sum(1).tolist() == [5, 24, 11, 16, 8, 21]  # each sequence's own queries, no more
+
+
+def test_the_stacked_targets_hold_one_small_problem_at_a_time(monkeypatch):
+    """Each problem keeps its original attention (a few MB per sequence), so the targets are computed a few
+    sequences at a time, each problem let go before the next is made: with all of SmolLM2's 34 problems alive at
+    once, stacking one layer's sequences held hundreds of MB."""
+    import gc
+    import weakref
+
+    from collab_convert.decompose import shared_key_refinement
+
+    samples, setting, factors = sequences_and_setting(seed=5)
+    alive, most, sizes = [], [0], []
+    made = shared_key_refinement._Problem.__init__
+
+    def counted(self, queries, *args, **kwargs):
+        gc.collect()
+        alive[:] = [ref for ref in alive if ref() is not None]
+        alive.append(weakref.ref(self))
+        most[0], sizes[len(sizes):] = max(most[0], len(alive)), [queries.shape[0]]
+        made(self, queries, *args, **kwargs)
+
+    monkeypatch.setattr(shared_key_refinement._Problem, "__init__", counted)
+    stacked = _Sequences(samples, GEOMETRY, setting, slot_frequencies(factors.ranks), targets=True)
+    assert most[0] <= 2 and max(sizes) <= 2 and sum(sizes) == len(LENGTHS)
+    for sequence, sample in enumerate(samples):  # and the targets are every sequence's own output, as before
+        rows = torch.arange(sample.queries.shape[0])
+        assert torch.allclose(stacked.target_output[sequence, : len(rows)], original_output(sample, setting, rows),
+                              atol=1e-4)
