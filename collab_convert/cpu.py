@@ -139,6 +139,15 @@ def return_freed_heap() -> None:
         libc.malloc_trim(0)
 
 
+def release_unreachable() -> None:
+    """Free what is unreachable now, cycles included, and hand the heap's free pages back: for the points where a
+    model has just been let go (its modules and hooks hold each other, so reference counts never free it)."""
+    import gc
+
+    gc.collect()
+    return_freed_heap()
+
+
 _HEAP_USERS = 0  # callers inside reused_heap now: the heap stays until the last one is done
 _HEAP_LOCK = threading.Lock()
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cpu import return_freed_heap
+from ..cpu import release_unreachable, return_freed_heap
 from ..devices import HOST, Device, moved, unavailable
 from ..errors import BadInputError
 from ..options import gate_failures
@@ -114,7 +114,7 @@ def compare_language_models(model, base, tokenizer, texts: list[str], max_length
     encoded = [ids or [pad_id(tokenizer)] for ids in tokenizer(texts, truncation=True, max_length=max_length)
                ["input_ids"]]
     budget = _body_tokens(base.config.get_text_config(), max(map(len, encoded), default=1))
-    return_freed_heap()  # what the work before freed: the first pass should not pile on it either
+    release_unreachable()  # what the work before let go: the first pass should not pile on it either
     pooled = {"model": [], "base": []}
     agree, total, kl_sum, done = 0, 0, 0.0, 0
     for chosen in _batches(encoded, budget):

@@ -169,3 +169,36 @@ def test_offloaded_bfloat16_model_keeps_its_head_small_and_its_math_float32(tmp_
         mine, theirs = offloaded(ids).logits, whole(ids).logits
     assert mine.dtype == torch.float32
     assert (mine - theirs).abs().max() < 0.02 * theirs.abs().max()
+
+
+@pytest.mark.parametrize("by_block", [True, False])
+def test_the_model_that_calibrated_is_freed_when_the_pass_ends(by_block, tmp_path, monkeypatch):
+    """Its modules and hooks hold each other, so only the cycle collector frees them: the pass runs it, rather
+    than leave a block's float32 weights (or the whole model) resident through every layer's refinement."""
+    import gc
+    import weakref
+
+    from collab_convert.integration import layerwise
+
+    monkeypatch.setattr(model_runs, "calibration_tokenizer", lambda folder: CharacterTokenizer())
+    loaded = []
+    if by_block:
+        made = layerwise.BlockRunner.__init__
+
+        def remembered(self, *args, **kwargs):
+            made(self, *args, **kwargs)
+            loaded.append(weakref.ref(self.model))
+
+        monkeypatch.setattr(layerwise.BlockRunner, "__init__", remembered)
+    else:
+        whole = model_runs.whole_model
+        monkeypatch.setattr(model_runs, "whole_model",
+                            lambda *args: loaded.append(weakref.ref(model := whole(*args))) or model)
+    folder = tmp_path / "gpt2"
+    build_family(family_case("gpt2"), folder)
+    gc.disable()  # the collector must not happen to run on its own in between
+    try:
+        _statistics(folder, scratch=tmp_path / "scratch" if by_block else None)
+        assert len(loaded) == 1 and loaded[0]() is None
+    finally:
+        gc.enable()
