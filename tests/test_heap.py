@@ -5,18 +5,7 @@ import threading
 
 from collab_convert import cpu
 
-
-class RecordingLibc:
-    def __init__(self):
-        self.calls = []
-
-    def mallopt(self, parameter, value):
-        self.calls.append(("mallopt", value))
-        return 1
-
-    def malloc_trim(self, pad):
-        self.calls.append(("trim", pad))
-        return 1
+from fixtures.libc import RecordingLibc
 
 
 def test_the_heap_stays_until_the_last_refinement_sharing_it_is_done(monkeypatch):

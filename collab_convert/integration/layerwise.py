@@ -15,6 +15,7 @@ instead (capture.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -130,6 +131,23 @@ class BlockRunner:
         finally:
             handle.remove()
         self.batches += 1
+
+    @contextlib.contextmanager
+    def weights_held(self, index: int):
+        """Within: block `index` keeps its weights loaded across calls. accelerate's hook otherwise reads and
+        converts them at every call and drops them after: once per batch."""
+        block = self.blocks[index][0]
+        hook = getattr(block, "_hf_hook", None)
+        if not getattr(hook, "offload", False):
+            yield
+            return
+        hook.pre_forward(block)  # loads the weights (and places no inputs: there are none)
+        hook.offload = False
+        try:
+            yield
+        finally:
+            hook.offload = True
+            hook.post_forward(block, None)  # drops them
 
     @torch.no_grad()
     def run_block(self, index: int, batch: int, keep_output: bool) -> None:

@@ -112,11 +112,8 @@ def test_calibrated_compress_leaves_no_scratch_behind(tiny_bert, calibration_fil
     assert [p.name for p in tmp_path.iterdir() if "collab-tmp" in p.name] == []
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "phi", "gpt_neox", "gpt2-shared-key"])
-def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, monkeypatch):
-    """The shared-key capture (queries, keys and values from each module's own inputs, RoPE tables from its call;
-    none for GPT-2's absolute positions) gives the same statistics and samples when the model runs a block at a
-    time."""
+def _shared_key_records(name, tmp_path, monkeypatch, scratches=(None, "scratch"), keep=3):
+    """The shared-key capture's records of a tiny model, from whole passes (None) and a block at a time."""
     from collab_convert.integration.shared_key_capture import collect_shared_key_statistics
     from collab_convert.forms.shared_key.statistics import geometry_of
     from collab_convert.format import HeadCounts
@@ -132,12 +129,20 @@ def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, mon
     try:
         layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads), layer.causal)
                   for layer in source.layers}
-        runs = [collect_shared_key_statistics(source.folder, source.layout, source.family.position_bias, layers, SENTENCES[:10], max_length=40,
-                                          keep_samples=3, scratch=scratch)[0]
-                for scratch in (None, tmp_path / "scratch")]
+        return [collect_shared_key_statistics(source.folder, source.layout, source.family.position_bias, layers,
+                                              SENTENCES[:10], max_length=40, keep_samples=keep,
+                                              scratch=scratch and tmp_path / scratch)[0]
+                for scratch in scratches], layers
     finally:
         source.close()
-    whole, by_block = runs
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "phi", "gpt_neox", "gpt2-shared-key"])
+def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, monkeypatch):
+    """The shared-key capture (queries, keys and values from each module's own inputs, RoPE tables from its call;
+    none for GPT-2's absolute positions) gives the same statistics and samples when the model runs a block at a
+    time."""
+    (whole, by_block), _ = _shared_key_records(name, tmp_path, monkeypatch)
     assert isinstance(by_block, SpillFolder)
     for prefix, expected in whole.items():
         record = by_block[prefix]
@@ -146,6 +151,31 @@ def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, mon
         assert len(record.samples) == len(expected.samples) == 3
         assert torch.allclose(record.setting.cos, expected.setting.cos)
         assert record.setting.scaling == expected.setting.scaling
+
+
+def test_a_block_keeps_one_heap_and_one_load_of_its_weights_for_all_its_batches(tmp_path, monkeypatch):
+    """Per batch, accelerate read and converted the block's weights again, and each batch's activations were
+    mapped and zeroed afresh: a block now holds both across its batches, and hands the heap back when done."""
+    from accelerate.hooks import AlignDevicesHook
+
+    from collab_convert import cpu
+    from fixtures.libc import RecordingLibc
+
+    monkeypatch.setattr(model_runs, "calibration_tokenizer", lambda folder: CharacterTokenizer())
+    monkeypatch.setattr(batching, "BATCH_SEQUENCES", 3)
+    libc, loads = RecordingLibc(), []
+    monkeypatch.setattr(cpu, "_libc", lambda: libc)
+    onload = AlignDevicesHook._onload_weights
+    monkeypatch.setattr(AlignDevicesHook, "_onload_weights",
+                        lambda hook, module: loads.append(type(module).__name__) or onload(hook, module))
+    folder = tmp_path / "gpt2"
+    build_family(family_case("gpt2"), folder)
+    statistics = _statistics(folder, scratch=tmp_path / "scratch")
+    blocks = len(list(statistics))
+    assert blocks > 1 and loads.count("GPT2Embedding") + loads.count("Embedding") > 1  # several batches ran
+    assert loads.count("GPT2Block") == blocks
+    assert libc.calls.count(("mallopt", cpu.HEAP_THRESHOLD)) == blocks
+    assert [call for call in libc.calls if call[0] == "mallopt"][-1] == ("mallopt", cpu.MMAP_THRESHOLD)
 
 
 def test_offloaded_bfloat16_model_keeps_its_head_small_and_its_math_float32(tmp_path, monkeypatch):
