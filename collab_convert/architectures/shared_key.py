@@ -232,6 +232,10 @@ class SharedKeyProjections:
         output = getattr(module, self.output)(attended)
         return getattr(module, self.output_dropout)(output) if self.output_dropout else output
 
+    def output_module(self, module: nn.Module) -> nn.Module:
+        """The module's output projection."""
+        return getattr(module, self.output)
+
     def output_weight(self, module: nn.Module) -> torch.Tensor:
         """The output projection's weight in nn.Linear layout (D, N_h d)."""
         weight = getattr(module, self.output).weight

@@ -97,13 +97,34 @@ class SharedKeyObserver:
         self.found = {prefix: SharedKeyCalibration(None, [], None) for prefix in layers}
         self.tokens = dict.fromkeys(layers, 0)
         self.replay = ProjectionReplay()
+        self.awaiting: dict[str, list] = {}  # prefix -> (row, sample) kept this call, awaiting the module's output
 
     def attach(self, model, prefixes: list[str]) -> list:
         handles = []
         for prefix, module in modules_of(model, prefixes).items():
             handles.append(module.register_forward_pre_hook(self.hook(prefix), with_kwargs=True))
             handles.append(module.register_forward_hook(self.replay.release, always_call=True))
+            if self.keep:
+                output = self.layout.output_module(module)
+                handles.append(output.register_forward_hook(self.output_hook(prefix)))
         return handles + [self.replay]
+
+    def output_hook(self, prefix: str):
+        """A forward hook on the output projection: the samples kept in this call get the attention's output as
+        the model computed it, the refinement's target (a pass stopped before the module ran leaves theirs empty,
+        and refinement computes it)."""
+        current = self.current
+
+        def hook(projection, args, output):
+            awaiting = self.awaiting.pop(prefix, None)
+            if not awaiting:
+                return
+            bias = getattr(projection, "bias", None)  # the refinement's output projection has none
+            rows = current.sequences(output)
+            for row, sample in awaiting:
+                sample.target_output = host_copy(rows[row] if bias is None else rows[row] - bias, torch.float16)
+
+        return hook
 
     def hook(self, prefix: str):
         from ..decompose.shared_key import statistics_of
@@ -123,7 +144,8 @@ class SharedKeyObserver:
             values = layout.original_values(module, source, heads) if wanted else queries
             self.replay.replay()
             real = zip(current.sequences(queries), current.sequences(keys), current.sequences(values), strict=True)
-            for query, key, value in real:  # each cut to its real tokens: no padding counted
+            kept = self.awaiting[prefix] = []
+            for row, (query, key, value) in enumerate(real):  # each cut to its real tokens: no padding counted
                 more = statistics_of(query.float(), key.float(), geometry)
                 record.statistics = more if record.statistics is None else record.statistics + more
                 if self.value_moments:
@@ -132,6 +154,7 @@ class SharedKeyObserver:
                 self.tokens[prefix] += query.shape[0]
                 if len(record.samples) < self.keep:
                     record.samples.append(SharedKeySample(*(host_copy(t, torch.float16) for t in (query, key, value))))
+                    kept.append((row, record.samples[-1]))
             cos, sin = rotary_tables(kwargs, hidden)
             if record.setting is None or record.setting.cos.shape[0] < cos.shape[1]:
                 output = layout.output_weight(module)

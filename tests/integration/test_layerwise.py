@@ -153,6 +153,31 @@ def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, mon
         assert record.setting.scaling == expected.setting.scaling
 
 
+@pytest.mark.parametrize("name", ["llama", "phi", "gpt2-shared-key"])
+def test_kept_samples_carry_the_attention_output_the_model_computed(name, tmp_path, monkeypatch):
+    """The refinement's target, recorded from the output projection as the calibration pass runs it (its bias
+    left out: GPT-2's c_proj has one), is what refinement would compute from the sample's queries, keys and
+    values, so it need not compute it again. Every layer's samples but the last's (its later batches stop
+    before the module runs) have it."""
+    from dataclasses import replace
+
+    from collab_convert.decompose.shared_key import KeyRanks, slot_frequencies
+    from collab_convert.decompose.shared_key_refinement import _Sequences
+
+    (by_block,), layers = _shared_key_records(name, tmp_path, monkeypatch, scratches=("scratch",), keep=8)
+    for prefix in list(layers)[:-1]:
+        record, geometry = by_block[prefix], layers[prefix][0]
+        assert len(record.samples) == 8 and all(s.target_output is not None for s in record.samples), prefix
+        slots = slot_frequencies(KeyRanks.full(geometry))
+        recorded = _Sequences(record.samples, geometry, record.setting, slots, targets=True).target_output
+        computed = _Sequences([replace(s, target_output=None) for s in record.samples], geometry, record.setting,
+                              slots, targets=True).target_output
+        assert recorded.shape == computed.shape
+        for row, sample in enumerate(record.samples):  # real positions: a step never draws the padding after them
+            real = slice(0, sample.queries.shape[0])
+            assert (recorded[row, real] - computed[row, real]).norm() < 3e-3 * computed[row, real].norm(), prefix
+
+
 def test_a_block_keeps_one_heap_and_one_load_of_its_weights_for_all_its_batches(tmp_path, monkeypatch):
     """Per batch, accelerate read and converted the block's weights again, and each batch's activations were
     mapped and zeroed afresh: a block now holds both across its batches, and hands the heap back when done."""
