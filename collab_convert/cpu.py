@@ -139,6 +139,30 @@ def return_freed_heap() -> None:
         libc.malloc_trim(0)
 
 
+def free_heap_bytes() -> int | None:
+    """Bytes glibc's main heap holds free (mallinfo2's fordblks), or None where that is not known."""
+    import ctypes
+
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+
+    class MallocInfo(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc.mallinfo2.restype = MallocInfo
+    return int(libc.mallinfo2().fordblks)
+
+
+def bound_free_heap(most: int) -> None:
+    """Hand the heap's free pages back if it holds more than `most` bytes free: a reused heap whose requests
+    change size (batches of other lengths) leaves holes a little too small for the next ones and grows."""
+    free = free_heap_bytes()
+    if free is not None and free > most:
+        return_freed_heap()
+
+
 def release_unreachable() -> None:
     """Free what is unreachable now, cycles included, and hand the heap's free pages back: for the points where a
     model has just been let go (its modules and hooks hold each other, so reference counts never free it)."""
