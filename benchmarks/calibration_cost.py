@@ -6,7 +6,8 @@ calibration tokens (issue 35), measured side by side in one run.
 
 1. The floor: the original loaded the way the CLI loads it (float32), the calibration texts tokenised and cut at
    --max-length, and `model(**batch)` over them in batches of about 4096 padded tokens, under inference mode,
-   with the CLI's thread count. Timed past loading.
+   with the CLI's thread count. Timed past loading, once before the CLI run and once after it: the floor is their
+   mean (the machine's speed drifted by 20% between runs an hour apart).
 2. The CLI as a user runs it: `collab-convert compress MODEL BUDGET --calibration FILE --calibration-samples N
    --calibration-max-length L`, wall time, and from its report.json the time past imports and each stage's.
 Printed: every stage in seconds and as a multiple of the floor, and the whole run's multiple (target: at most
@@ -116,6 +117,13 @@ def main() -> None:
     folder = resolve_model(name)
     budget = (args.budget or ("--rank 192" if args.model == "minilm" else "--key-cache 0.5")).split()
     calibration, _ = chosen_documents(args.documents, 1)
+    # the plain pass before and after the CLI run: the machine's speed drifts by 20% over the minutes one run takes
+    import torch
+
+    from collab_convert.cpu import choose_threads
+
+    before, _ = floor_seconds(resolve_model(name), calibration, args.max_length,
+                              choose_threads(None, torch.get_num_threads())[0])  # as the CLI will choose them
     with tempfile.TemporaryDirectory(prefix="collab-cost-") as scratch:
         text = Path(scratch) / "calibration.txt"
         text.write_text("\n".join(calibration + probe_documents(calibration)) + "\n")
@@ -132,16 +140,19 @@ def main() -> None:
         wall = time.perf_counter() - started
         report = json.loads((out / "report.json").read_text())
     threads = (report.get("threads") or {}).get("threads")
-    floor, tokens = floor_seconds(folder, calibration, args.max_length, threads)
+    after, tokens = floor_seconds(folder, calibration, args.max_length, threads)
+    floor = (before + after) / 2
     print(f"{name}, {' '.join(budget)} {args.extra}; {len(calibration)} documents, {tokens:,} calibration tokens at "
           f"{args.max_length}; {threads} threads")
-    print(f"one plain forward pass of the original over them: {floor:.1f} s")
+    print(f"one plain forward pass of the original over them: {floor:.1f} s (the mean of {before:.1f} s before the "
+          f"CLI run and {after:.1f} s after it)")
     print(f"{'stage':<28} {'seconds':>8} {'x forward pass':>15}")
     for stage, seconds in report["stage_seconds"].items():
         print(f"{stage:<28} {seconds:8.1f} {seconds / floor:15.2f}")
     print(f"{'whole run past imports':<28} {report['seconds']:8.1f} {report['seconds'] / floor:15.2f}   "
           f"(target 2.0; CLI wall time with imports {wall:.1f} s)")
     figures = {"model": name, "budget": budget, "extra": args.extra, "tokens": tokens, "floor_seconds": floor,
+               "floor_seconds_before": before, "floor_seconds_after": after,
                "run_seconds": report["seconds"], "wall_seconds": wall, "ratio": report["seconds"] / floor,
                "stage_seconds": report["stage_seconds"], "threads": threads}
     distillation = report.get("distillation")
