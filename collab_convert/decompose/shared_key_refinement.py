@@ -95,7 +95,7 @@ class _Sequences:
         self.target_output = None
         if targets and self.values is not None and setting.output_weight is not None:
             if all(sample.target_output is not None for sample in samples):
-                # recorded by the calibration pass: computing them again was a sixth of SmolLM2's refinement
+                # recorded by the calibration pass (computing them again took 0.11 s of a SmolLM2 layer's ~2 s)
                 self.target_output = stacked(lambda sample: sample.target_output)
             else:
                 with torch.no_grad():  # in float32, as every check's target; one problem's attention held at a time
