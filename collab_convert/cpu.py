@@ -10,6 +10,7 @@ most torch's own default; an explicit --threads wins.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -104,7 +105,10 @@ MMAP_THRESHOLD = 1 << 20
 HEAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its moving threshold (64-bit)
 
 
+@functools.cache
 def _libc():
+    """glibc, loaded once: finding it (find_library runs ldconfig) took 1.5 ms a call, and the calibration pass
+    asks after every batch (bound_free_heap)."""
     import ctypes
     import ctypes.util
 
@@ -112,7 +116,16 @@ def _libc():
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return None
-    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None  # glibc only
+    if not (hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")):
+        return None  # glibc only
+    if hasattr(libc, "mallinfo2"):  # glibc 2.33 and later
+
+        class MallocInfo(ctypes.Structure):
+            _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                              "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+        libc.mallinfo2.restype = MallocInfo
+    return libc
 
 
 def return_freed_memory() -> bool:
@@ -141,17 +154,9 @@ def return_freed_heap() -> None:
 
 def free_heap_bytes() -> int | None:
     """Bytes glibc's main heap holds free (mallinfo2's fordblks), or None where that is not known."""
-    import ctypes
-
     libc = _libc()
     if libc is None or not hasattr(libc, "mallinfo2"):
         return None
-
-    class MallocInfo(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-    libc.mallinfo2.restype = MallocInfo
     return int(libc.mallinfo2().fordblks)
 
 
