@@ -122,7 +122,7 @@ def main() -> None:
 
     from collab_convert.cpu import choose_threads
 
-    before, _ = floor_seconds(resolve_model(name), calibration, args.max_length,
+    before, _ = floor_seconds(folder, calibration, args.max_length,
                               choose_threads(None, torch.get_num_threads())[0])  # as the CLI will choose them
     with tempfile.TemporaryDirectory(prefix="collab-cost-") as scratch:
         text = Path(scratch) / "calibration.txt"
