@@ -127,3 +127,19 @@ def test_the_stacked_targets_hold_one_small_problem_at_a_time(monkeypatch):
         rows = torch.arange(sample.queries.shape[0])
         assert torch.allclose(stacked.target_output[sequence, : len(rows)], original_output(sample, setting, rows),
                               atol=1e-4)
+
+
+def test_steps_in_bfloat16_read_their_operands_kept_in_it_and_score_as_float32_does():
+    """With the targets stacked, the keys, values and output projection are only the steps' operands: kept in the
+    products' dtype (no conversion at every step), the loss is float32's up to bfloat16 rounding."""
+    samples, setting, factors = sequences_and_setting(seed=3)
+    slots = slot_frequencies(factors.ranks)
+    parameters = (factors.key_mixing.float(), factors.query_core.float(), factors.pass_core.float())
+    chosen, picks = torch.tensor([0, 2, 5]), [torch.tensor([1, 7, 20]), torch.tensor([0, 19]), torch.tensor([4])]
+    exact = _Sequences(samples, GEOMETRY, setting, slots, targets=True)
+    halved = _Sequences(samples, GEOMETRY, setting, slots, targets=True, products=torch.bfloat16)
+    assert halved.keys.dtype == halved.values.dtype == halved.setting.output_weight.dtype == torch.bfloat16
+    assert torch.equal(halved.target_output, exact.target_output)  # computed in float32 before
+    (loss, norm) = halved.problem(chosen, picks, torch.bfloat16).loss(*parameters)
+    (expected, expected_norm) = exact.problem(chosen, picks).loss(*parameters)
+    assert norm == expected_norm and abs(float(loss) - float(expected)) < 0.03 * float(expected)
