@@ -118,7 +118,8 @@ class FidelityEstimator:
             found = compare_language_models(
                 load_offloaded(folder, AutoModelForCausalLM, device),
                 load_offloaded(self.source.folder, AutoModelForCausalLM, device),
-                self.tokenizer, self.probe.texts, self.options.calibration_max_length, device=device)
+                self.tokenizer, self.probe.texts, self.options.calibration_max_length, device=device,
+                prefixes=[layer.prefix for layer in self.source.layers])
             stats, next_tokens = found.cosine, {"top1_agreement": found.top1_agreement, "kl_mean": found.kl_mean}
         else:
             stats = self._cosine_stats(folder)

@@ -97,6 +97,37 @@ def _catch(module, args, kwargs):
     raise _BlockInputs(_float32(hidden), _float32(args), _float32(kwargs))
 
 
+@torch.no_grad()
+def first_block_inputs(model: nn.Module, first_block: nn.Module, inputs: dict) -> tuple[torch.Tensor, tuple, dict]:
+    """(hidden states, other positional arguments, keyword arguments) that `model`'s forward pass on `inputs`
+    hands `first_block`, floating tensors in float32; the pass stops there."""
+    handle = first_block.register_forward_pre_hook(_catch, with_kwargs=True)
+    try:
+        model(**inputs)
+    except _BlockInputs as caught:
+        return caught.hidden, caught.args, caught.kwargs
+    finally:
+        handle.remove()
+    raise RuntimeError("the model's forward pass never reached its first block")
+
+
+@contextlib.contextmanager
+def weights_held(block: nn.Module):
+    """Within: an offloaded block keeps its weights loaded across calls. accelerate's hook otherwise reads and
+    converts them at every call and drops them after: once per batch."""
+    hook = getattr(block, "_hf_hook", None)
+    if not getattr(hook, "offload", False):
+        yield
+        return
+    hook.pre_forward(block)  # loads the weights (and places no inputs: there are none)
+    hook.offload = False
+    try:
+        yield
+    finally:
+        hook.offload = True
+        hook.post_forward(block, None)  # drops them
+
+
 class BlockRunner:
     """The model's blocks, run one at a time on `device` over batches whose activations wait on disk under
     `scratch` (saved from host memory, so the files are the same whatever the device)."""
@@ -119,35 +150,15 @@ class BlockRunner:
     @torch.no_grad()
     def start(self, inputs: dict) -> None:
         """Run the model up to its first block on one batch; keep what the block would have received."""
-        handle = self.blocks[0][0].register_forward_pre_hook(_catch, with_kwargs=True)
-        try:
-            self.model(**moved(inputs, self.device))
-        except _BlockInputs as caught:
-            inputs_path, hidden_path = self._paths(self.batches)
-            torch.save(moved({"args": caught.args, "kwargs": caught.kwargs}, HOST), inputs_path)
-            torch.save(moved(caught.hidden, HOST), hidden_path)
-        else:
-            raise RuntimeError("the model's forward pass never reached its first block")
-        finally:
-            handle.remove()
+        hidden, args, kwargs = first_block_inputs(self.model, self.blocks[0][0], moved(inputs, self.device))
+        inputs_path, hidden_path = self._paths(self.batches)
+        torch.save(moved({"args": args, "kwargs": kwargs}, HOST), inputs_path)
+        torch.save(moved(hidden, HOST), hidden_path)
         self.batches += 1
 
-    @contextlib.contextmanager
     def weights_held(self, index: int):
-        """Within: block `index` keeps its weights loaded across calls. accelerate's hook otherwise reads and
-        converts them at every call and drops them after: once per batch."""
-        block = self.blocks[index][0]
-        hook = getattr(block, "_hf_hook", None)
-        if not getattr(hook, "offload", False):
-            yield
-            return
-        hook.pre_forward(block)  # loads the weights (and places no inputs: there are none)
-        hook.offload = False
-        try:
-            yield
-        finally:
-            hook.offload = True
-            hook.post_forward(block, None)  # drops them
+        """Within: block `index` keeps its weights loaded across calls (weights_held)."""
+        return weights_held(self.blocks[index][0])
 
     @torch.no_grad()
     def run_block(self, index: int, batch: int, keep_output: bool) -> None:

@@ -173,7 +173,11 @@ def test_calibrated_encoder_decoders_refine_every_kind_of_attention(form, name, 
     assert result.fidelity["cosine_mean"] > 0.99
 
 
-def test_calibrated_shared_key_refines_and_reports_it(tmp_path):
+def test_calibrated_shared_key_refines_and_reports_it(tmp_path, monkeypatch):
+    from collab_convert.integration import fidelity
+
+    by_block, bodies = [], fidelity._bodies_by_block
+    monkeypatch.setattr(fidelity, "_bodies_by_block", lambda model, *rest: by_block.append(1) or bodies(model, *rest))
     build_family(family_case("gpt2"), tmp_path / "in")
     save_tiny_tokenizer(tmp_path / "in")
     text = tmp_path / "text.txt"
@@ -186,6 +190,7 @@ def test_calibrated_shared_key_refines_and_reports_it(tmp_path):
         assert layer.refinement["steps"] > 0
         assert layer.refinement["loss_after"] <= layer.refinement["loss_before"]
     assert result.fidelity["cosine_mean"] > 0.9
+    assert len(by_block) == 2  # the fidelity check ran both models' bodies a block at a time
 
 
 def test_analyze_in_the_shared_key_form_costs_key_cache_budgets(tmp_path, capsys):

@@ -132,9 +132,97 @@ def test_each_pass_hands_its_freed_heap_back(tmp_path, monkeypatch):
     save_tiny_tokenizer(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     monkeypatch.setattr(batches, "batch_tokens", lambda width: 48)
-    passes, trims = [], []
+    from fixtures.libc import RecordingLibc
+
+    passes, libc = [], RecordingLibc()
     body = fidelity.body_output
     monkeypatch.setattr(fidelity, "body_output", lambda *args: passes.append(1) or body(*args))
-    monkeypatch.setattr(cpu, "_libc", lambda: type("Libc", (), {"malloc_trim": lambda self, pad: trims.append(pad)})())
+    monkeypatch.setattr(cpu, "_libc", lambda: libc)
     compare_language_models(model, base, tokenizer, TEXTS)
-    assert len(passes) > 2 and trims == [0] * (1 + len(passes))
+    # up to the heads' heap (trimmed on its way in too): one trim before the passes, one after each
+    bodies = libc.calls[: libc.calls.index(("mallopt", cpu.HEAP_THRESHOLD)) - 1]
+    assert len(passes) > 2 and bodies == [("trim", 0)] * (1 + len(passes))
+
+
+def attention_prefixes(model) -> list[str]:
+    return [name for name, module in model.named_modules() if type(module).__name__.endswith("Attention")]
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_offloaded_bodies_run_a_block_at_a_time_load_each_block_once_and_give_the_same_figures(
+        name, tmp_path, monkeypatch):
+    """Where the models are one stack of blocks, each block runs on every batch with its weights loaded once
+    (a pass per batch loaded every block once per batch), and the body's own forward then runs around blocks
+    standing in: the figures are those of the passes per batch."""
+    from accelerate.hooks import AlignDevicesHook
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from collab_convert.integration.layerwise import load_offloaded
+
+    model, base = MODELS[name]()
+    for folder, which in (("model", model), ("base", base)):
+        which.save_pretrained(tmp_path / folder)
+    save_tiny_tokenizer(tmp_path / "base")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "base")
+    monkeypatch.setattr(batches, "batch_tokens", lambda width: 48)  # several batches
+    prefixes = attention_prefixes(base)
+
+    def measured(prefixes):
+        loads = []
+        onload = AlignDevicesHook._onload_weights
+        with monkeypatch.context() as patched:
+            patched.setattr(AlignDevicesHook, "_onload_weights",
+                            lambda hook, module: loads.append(type(module).__name__) or onload(hook, module))
+            found = compare_language_models(load_offloaded(tmp_path / "model", AutoModelForCausalLM),
+                                            load_offloaded(tmp_path / "base", AutoModelForCausalLM), tokenizer,
+                                            TEXTS, prefixes=prefixes)
+        return found, [load for load in loads if load.endswith(("Block", "DecoderLayer"))]
+
+    per_batch, per_batch_loads = measured(None)
+    by_block, by_block_loads = measured(prefixes)
+    assert len(per_batch_loads) > 2 * len(prefixes)  # every block, once per batch of each model
+    assert len(by_block_loads) == 2 * len(prefixes)  # every block, once for each model
+    assert by_block.top1_agreement == per_batch.top1_agreement
+    assert by_block.kl_mean == pytest.approx(per_batch.kl_mean, rel=1e-6) and by_block.kl_mean > 1e-3
+    assert by_block.cosine.mean == pytest.approx(per_batch.cosine.mean, abs=1e-7)
+    assert by_block.cosine.worst == pytest.approx(per_batch.cosine.worst)
+
+
+def test_the_blocks_stand_in_only_for_the_pass_that_needs_them():
+    """After a check by blocks, the model's own blocks are back in place."""
+    from collab_convert.integration.fidelity import _standing_in
+
+    model, _ = MODELS["llama"]()
+    layers = list(model.model.layers)
+    with _standing_in(model.model, ["layers.0", "layers.1"], torch.zeros(1, 2, 3), as_tuple=False):
+        assert [type(block).__name__ for block in model.model.layers] == ["_Passed", "_Passed"]
+    assert list(model.model.layers) == layers
+
+
+def test_the_heads_run_on_one_bounded_heap(tmp_path, monkeypatch):
+    """Text after text, the logits and distributions are the same few sizes: they come from one heap, trimmed past
+    its bound. The heads' weights load for each text, one head at a time (held for all the texts, two heads of a
+    large vocabulary would weigh more than the check)."""
+    from accelerate.hooks import AlignDevicesHook
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from collab_convert import cpu
+    from collab_convert.integration.layerwise import load_offloaded
+    from fixtures.libc import RecordingLibc
+
+    model, base = twin_models(lambda: __import__("transformers").GPT2Config(  # an untied head: its own weights
+        vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=64, tie_word_embeddings=False), "GPT2LMHeadModel")
+    for folder, which in (("model", model), ("base", base)):
+        which.save_pretrained(tmp_path / folder)
+    save_tiny_tokenizer(tmp_path / "base")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "base")
+    libc, loads = RecordingLibc(), []
+    monkeypatch.setattr(cpu, "_libc", lambda: libc)
+    onload = AlignDevicesHook._onload_weights
+    monkeypatch.setattr(AlignDevicesHook, "_onload_weights",
+                        lambda hook, module: loads.append(type(module).__name__) or onload(hook, module))
+    compare_language_models(load_offloaded(tmp_path / "model", AutoModelForCausalLM),
+                            load_offloaded(tmp_path / "base", AutoModelForCausalLM), tokenizer, TEXTS)
+    assert loads.count("Linear") == 2 * len(TEXTS)  # each model's head, once a text
+    assert ("mallopt", cpu.HEAP_THRESHOLD) in libc.calls
+    assert [call for call in libc.calls if call[0] == "mallopt"][-1] == ("mallopt", cpu.MMAP_THRESHOLD)
