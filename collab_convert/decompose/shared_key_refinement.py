@@ -70,8 +70,7 @@ class SharedKeyRefinement:
 class _Sequences:
     """Calibration sequences stacked once, where the steps run: the queries turned by RoPE at their positions,
     the keys and values as the layer reads them, and (`targets`) the original attention's output at every
-    position. A step then only gathers its rows. (Each step used to pad its sequences anew from the float16
-    samples and recompute the original attention of its rows: a third of a refinement's time on SmolLM2.)"""
+    position. A step then only gathers its rows (padding and recomputing them per step was a third of the time)."""
 
     def __init__(self, samples: list[SharedKeySample], geometry: HeadGeometry, setting: AttentionSetting,
                  slots: torch.Tensor, device: Device = HOST, targets: bool = False,
@@ -102,8 +101,7 @@ class _Sequences:
                 with torch.no_grad():  # in float32, as every check's target; one problem's attention held at a time
                     self.target_output = torch.cat([problem.target_output for problem in self.each_problem(2)])
         if self.target_output is not None and products != torch.float32:
-            # with the targets known, the steps read the keys, values and output projection only as operands of
-            # their products: kept in the products' dtype (half the memory, and no conversion at every step)
+            # with targets known, keys, values and output projection are only operands: kept in the products' dtype
             self.keys, self.values = self.keys.to(products), self.values.to(products)
             self.setting = replace(setting, output_weight=setting.output_weight.to(products))
 
@@ -128,8 +126,7 @@ class _Sequences:
             positions, row_valid = positions.to(chosen.device), row_valid.to(chosen.device)
         length = int(lengths.max())
         key_valid = torch.arange(length, device=chosen.device)[None, :] < lengths[:, None]
-        # index_select on the flattened (sequence, position) rows: 4-9 times faster on a CPU than the same gathers by
-        # advanced indexing, which were half of building a step's problem
+        # index_select on flattened (sequence, position) rows: 4-9x faster on a CPU than advanced indexing
         rows = (chosen[:, None] * self.queries.shape[1] + positions).flatten()
 
         def gathered(stacked: torch.Tensor) -> torch.Tensor:  # (B, rows, ...)
@@ -146,8 +143,7 @@ class _Sequences:
 
     def each_problem(self, size: int = 8) -> Iterator[_Problem]:
         """problems(), each made as it is asked for: a problem keeps its original attention (a few MB per
-        sequence), so where each is used once, only one is held (the stacked targets of SmolLM2's 270 calibration
-        sequences were computed with all 34 problems alive at once)."""
+        sequence), so where each is used once, only one is held (not all 34 of SmolLM2's 270 sequences)."""
         for start in range(0, len(self), size):
             yield self.problem(torch.arange(start, min(start + size, len(self))))
 
@@ -177,8 +173,7 @@ class _Problem:
         if setting.causal:
             allowed = allowed & (torch.arange(length, device=keys.device)[None, None, :] <= positions[:, :, None])
         # what every step adds to the scaled scores: MASKED where a key is not seen (B, 1, rows, m), and T5's
-        # position bias at each row's own position (B, H, rows, m). One add, where masking anew cost a tenth of a
-        # step.
+        # position bias at each row's own position (B, H, rows, m). One add (masking anew: a tenth of a step).
         self.mask = torch.zeros(allowed.shape, device=keys.device).masked_fill_(~allowed, MASKED)[:, None]
         if setting.position_bias is not None:
             bias = setting.position_bias[:, :, :length]
@@ -249,9 +244,8 @@ class _Problem:
         return self.queries.transpose(0, 1).flatten(1, 2)
 
     def _shared_scores(self, mixing: torch.Tensor, core: torch.Tensor, pass_core: torch.Tensor) -> torch.Tensor:
-        """The shared form's scaled q.k, (B, H, rows, m). A head's cores are one real matrix (a complex scalar per
-        frequency commutes with RoPE, so it applies to the rotated query as well), with the scale folded in: per-slot
-        gathers and products, and scaling the scores, took a sixth of a step."""
+        """The shared form's scaled q.k, (B, H, rows, m). A head's cores as one real matrix (per-frequency complex
+        scalars commute with RoPE), the scale folded in: per-slot products and scaling took a sixth of a step."""
         shared_key = rotate_slots(self._product(self.keys, mixing.T), self.slot_cos, self.slot_sin)  # (B, m, K)
         size, heads, rows, dim = self.queries.shape
         basis = query_basis_matrix(core, pass_core, self.slots, self.geometry.rotary_dim, dim) * self.setting.scaling

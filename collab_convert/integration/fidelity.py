@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +11,7 @@ from ..devices import HOST, Device, moved, unavailable
 from ..errors import BadInputError
 from ..options import gate_failures
 from ..results import VerifyResult
+from .bodies import block_names, bodies_by_block, body_output
 from .model_runs import FREE_HEAP_BOUND
 
 
@@ -108,7 +108,7 @@ def compare_language_models(model, base, tokenizer, texts: list[str], max_length
     The bodies run on several texts at once (_body_tokens), right-padded (a causal model's real positions never see
     the padding after them): an offloaded model reloads every block for each batch, which per text was a quarter of
     this check's time on SmolLM2. Where the models are one stack of blocks holding the attention layers `prefixes`
-    (layerwise.block_stack), the bodies run a block at a time over all the batches (_bodies_by_block). The
+    (layerwise.block_stack), the bodies run a block at a time over all the batches (bodies.bodies_by_block). The
     embedding is the mean of the final states; the head then runs a text at a time (a text's logits over a 50k
     vocabulary are 26 MB) through the model's own forward, its body standing in with the states already computed,
     so whatever the model does after its body (logit soft-capping, scaling) is its own code."""
@@ -120,7 +120,7 @@ def compare_language_models(model, base, tokenizer, texts: list[str], max_length
     release_unreachable()  # what the work before let go: the first pass should not pile on it either
     chosen = _batches(encoded, budget)
     batches = [moved(right_padded(group, pad_id(tokenizer)), device) for group in chosen]
-    stack = _block_names(base, prefixes)
+    stack = block_names(base, prefixes)
     steps = _Steps(progress, 2 * (len(stack) if stack else len(batches)) + len(encoded))
     bodies = {name: _bodies(which, batches, stack, steps) for name, which in (("base", base), ("model", model))}
     pooled = {name: torch.cat([torch.nn.functional.normalize(mean_pooled(output[0], mask), dim=-1).to(HOST)
@@ -164,84 +164,17 @@ class _Steps:
             self.progress("measuring fidelity", self.total, self.total)
 
 
-def _block_names(model, prefixes: list[str] | None) -> list[str] | None:
-    """The names, within the model's body, of its stack of blocks holding the attention layers `prefixes`; None
-    where there is none (or no prefixes given)."""
-    from .layerwise import block_stack
-
-    if not prefixes:
-        return None
-    stack = block_stack(getattr(model, model.base_model_prefix), prefixes)
-    return [name for name, _ in stack] if stack else None
-
-
 def _bodies(model, batches: list, stack: list[str] | None, step) -> list:
     """The body's output (final states first, of the body's own type) on each batch: a block at a time where
     `stack` names the blocks, else a pass per batch."""
     if stack:
-        return _bodies_by_block(model, batches, stack, step)
+        return bodies_by_block(model, batches, stack, step)
     outputs = []
     for input_ids, attention_mask in batches:
         outputs.append(body_output(model, input_ids, attention_mask))
         return_freed_heap()  # the pass's freed small blocks, before the next pass piles more on them
         step()
     return outputs
-
-
-@torch.no_grad()
-def _bodies_by_block(model, batches: list, stack: list[str], step) -> list:
-    """The body's output on each batch, its blocks run one at a time over every batch: each block's weights load
-    once (an offloaded pass reloads every block for each batch) and its batches share one bounded heap, as in
-    calibration (model_runs._by_block). The body's own forward then runs with its blocks standing in (_Passed),
-    so whatever it does around them (the final norm) is its code."""
-    from .layerwise import first_block_inputs, weights_held
-
-    body = getattr(model, model.base_model_prefix)
-    blocks = [body.get_submodule(name) for name in stack]
-    running = [list(first_block_inputs(model, blocks[0], {"input_ids": ids, "attention_mask": mask}))
-               for ids, mask in batches]
-    as_tuple = False
-    for block in blocks:
-        with reused_heap(), weights_held(block):
-            for inputs in running:
-                output = block(inputs[0], *inputs[1], **inputs[2])
-                as_tuple = isinstance(output, (tuple, list))
-                inputs[0] = output[0] if as_tuple else output
-                bound_free_heap(FREE_HEAP_BOUND)
-        step()
-    outputs = []
-    for (input_ids, attention_mask), (states, _, _) in zip(batches, running):
-        with _standing_in(body, stack, states, as_tuple):
-            outputs.append(body_output(model, input_ids, attention_mask))
-    return outputs
-
-
-class _Passed(torch.nn.Module):
-    """Stands in for a block that has already run: the first hands on the stack's final states, the others what
-    they receive, each as the block returns its output (a tensor, or a tuple of them)."""
-
-    def __init__(self, states: torch.Tensor | None, as_tuple: bool):
-        super().__init__()
-        self.states, self.as_tuple = states, as_tuple
-
-    def forward(self, hidden, *args, **kwargs):
-        output = hidden if self.states is None else self.states
-        return (output,) if self.as_tuple else output
-
-
-@contextlib.contextmanager
-def _standing_in(body, stack: list[str], states: torch.Tensor, as_tuple: bool):
-    """Within: the body's blocks replaced by _Passed, the first handing on `states`."""
-    places = [name.rpartition(".") for name in stack]
-    parents = [body.get_submodule(parent) if parent else body for parent, _, _ in places]
-    originals = [getattr(parent, child) for parent, (_, _, child) in zip(parents, places)]
-    try:
-        for index, (parent, (_, _, child)) in enumerate(zip(parents, places)):
-            setattr(parent, child, _Passed(states if index == 0 else None, as_tuple))
-        yield
-    finally:
-        for parent, (_, _, child), original in zip(parents, places, originals):
-            setattr(parent, child, original)
 
 
 def _output_of(kind: type, states: torch.Tensor):
@@ -272,31 +205,6 @@ def _batches(encoded: list[list[int]], budget: int) -> list[list[list[int]]]:
             current = []
         current.append(ids)
     return batches + ([current] if current else [])
-
-
-class _BodyOutput(Exception):
-    """Raised by a hook on a language model's body, carrying what it returned: the head need not run."""
-
-    def __init__(self, output):
-        super().__init__("caught the body's output")
-        self.output = output
-
-
-def _catch_output(module, args, output):
-    raise _BodyOutput(output)
-
-
-def body_output(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """What a ...ForCausalLM's body (its base model) returns, its final hidden states first, from a forward pass
-    stopped there."""
-    handle = getattr(model, model.base_model_prefix).register_forward_hook(_catch_output)
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask)
-    except _BodyOutput as caught:
-        return caught.output
-    finally:
-        handle.remove()
-    raise RuntimeError("the model's forward pass never ran its body")
 
 
 class _GivenOutput(torch.nn.Module):

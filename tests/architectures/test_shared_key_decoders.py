@@ -176,8 +176,8 @@ def test_calibrated_encoder_decoders_refine_every_kind_of_attention(form, name, 
 def test_calibrated_shared_key_refines_and_reports_it(tmp_path, monkeypatch):
     from collab_convert.integration import fidelity
 
-    by_block, bodies = [], fidelity._bodies_by_block
-    monkeypatch.setattr(fidelity, "_bodies_by_block", lambda model, *rest: by_block.append(1) or bodies(model, *rest))
+    by_block, bodies = [], fidelity.bodies_by_block
+    monkeypatch.setattr(fidelity, "bodies_by_block", lambda model, *rest: by_block.append(1) or bodies(model, *rest))
     build_family(family_case("gpt2"), tmp_path / "in")
     save_tiny_tokenizer(tmp_path / "in")
     text = tmp_path / "text.txt"

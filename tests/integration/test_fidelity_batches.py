@@ -190,11 +190,11 @@ def test_offloaded_bodies_run_a_block_at_a_time_load_each_block_once_and_give_th
 
 def test_the_blocks_stand_in_only_for_the_pass_that_needs_them():
     """After a check by blocks, the model's own blocks are back in place."""
-    from collab_convert.integration.fidelity import _standing_in
+    from collab_convert.integration.bodies import standing_in
 
     model, _ = MODELS["llama"]()
     layers = list(model.model.layers)
-    with _standing_in(model.model, ["layers.0", "layers.1"], torch.zeros(1, 2, 3), as_tuple=False):
+    with standing_in(model.model, ["layers.0", "layers.1"], torch.zeros(1, 2, 3), as_tuple=False):
         assert [type(block).__name__ for block in model.model.layers] == ["_Passed", "_Passed"]
     assert list(model.model.layers) == layers
 
