@@ -4,6 +4,7 @@ the 1 MiB mmap threshold of the block-at-a-time passes returns only when the las
 import threading
 
 import pytest
+import torch
 
 from collab_convert import cpu
 
@@ -54,33 +55,29 @@ def test_the_heap_is_trimmed_before_a_refinement_takes_it(monkeypatch):
             assert libc.calls == [("trim", 0), ("mallopt", cpu.HEAP_THRESHOLD)]
 
 
-def test_the_heap_is_handed_back_only_past_its_bound_of_free_bytes(monkeypatch):
-    """Between a block's batches: a heap with little free keeps it for the next batch; one whose holes grew past the
-    bound gives its free pages back."""
+def test_the_heap_is_handed_back_only_past_its_bound_of_growth(monkeypatch):
+    """Between a block's batches: a heap that grew little keeps its free pages for the next batch; one whose holes
+    grew past the bound gives them back, and what stays after that is the start of the next look."""
     libc = RecordingLibc()
     monkeypatch.setattr(cpu, "_libc", lambda: libc)
-    free = [10 << 20]
-    monkeypatch.setattr(cpu, "free_heap_bytes", lambda: free[0])
-    cpu.bound_free_heap(64 << 20)
+    resident = [100 << 20]
+    monkeypatch.setattr(cpu, "anonymous_resident_bytes", lambda: resident[0])
+    heap = cpu.BoundedHeap(64 << 20)
+    resident[0] = 150 << 20
+    heap.check()
     assert libc.calls == []
-    free[0] = 65 << 20
-    cpu.bound_free_heap(64 << 20)
+    resident[0] = 170 << 20
+    heap.check()
+    assert libc.calls == [("trim", 0)]
+    heap.check()  # 170 MB stayed after the trim (in use): no growth since
     assert libc.calls == [("trim", 0)]
 
 
-def test_the_free_part_of_the_heap_is_read_from_glibc():
-    """Where glibc answers (mallinfo2), freeing a large block that came from the heap shows in its free bytes."""
-    import ctypes
-
-    if cpu.free_heap_bytes() is None:
-        pytest.skip("not glibc, or one older than 2.33: the bound is then never applied")
-    libc = cpu._libc()
-    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-    with cpu.reused_heap():  # 8 MiB comes from the heap here, not from its own mapping
-        before = cpu.free_heap_bytes()
-        first, second = libc.malloc(8 << 20), libc.malloc(2 << 20)  # the second keeps the first off the top
-        libc.free(first)
-        after = cpu.free_heap_bytes()
-        libc.free(second)
-    assert after - before >= 7 << 20  # the 8 MiB block, less what the second request took of the free part
+def test_anonymous_memory_is_read_from_the_process():
+    """Where /proc answers, touching a fresh 64 MiB tensor shows in the anonymous resident memory."""
+    if cpu.anonymous_resident_bytes() is None:
+        pytest.skip("no /proc: the bound is then never applied")
+    before = cpu.anonymous_resident_bytes()
+    touched = torch.ones(16 << 20)  # 64 MiB of float32, every page written
+    after = cpu.anonymous_resident_bytes()
+    assert after - before >= 60 << 20 and float(touched[-1]) == 1.0

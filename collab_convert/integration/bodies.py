@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from ..cpu import bound_free_heap, reused_heap
+from ..cpu import BoundedHeap, reused_heap
 from .layerwise import block_stack, first_block_inputs, weights_held
 from .model_runs import FREE_HEAP_BOUND
 
@@ -59,11 +59,12 @@ def bodies_by_block(model, batches: list, stack: list[str], step) -> list:
     as_tuple = False
     for block in blocks:
         with reused_heap(), weights_held(block):
+            heap = BoundedHeap(FREE_HEAP_BOUND)
             for inputs in running:
                 output = block(inputs[0], *inputs[1], **inputs[2])
                 as_tuple = isinstance(output, (tuple, list))
                 inputs[0] = output[0] if as_tuple else output
-                bound_free_heap(FREE_HEAP_BOUND)
+                heap.check()
         step()
     outputs = []
     for (input_ids, attention_mask), (states, _, _) in zip(batches, running):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cpu import bound_free_heap, release_unreachable, return_freed_heap, reused_heap
+from ..cpu import BoundedHeap, release_unreachable, return_freed_heap, reused_heap
 from ..devices import HOST, Device, moved, unavailable
 from ..errors import BadInputError
 from ..options import gate_failures
@@ -130,6 +130,7 @@ def compare_language_models(model, base, tokenizer, texts: list[str], max_length
     # and zeroed afresh, SmolLM2's heads took 6-8 s instead of 4). The heads' weights still load at each call:
     # both held at once were 206 MB on a GPT-2-sized vocabulary (benchmarks/memory.py's fidelity peak, +167 MB)
     with reused_heap():
+        heap = BoundedHeap(FREE_HEAP_BOUND)
         for batch, ((input_ids, _), group) in enumerate(zip(batches, chosen)):
             for row, ids in enumerate(group):
                 logits = {name: head_logits(which, _output_of(type(bodies[name][batch]),
@@ -139,7 +140,7 @@ def compare_language_models(model, base, tokenizer, texts: list[str], max_length
                 same, divergence = _next_token_agreement(logits["base"][0], logits["model"][0])
                 del logits
                 agree, kl_sum, total = agree + same, kl_sum + divergence, total + len(ids)
-                bound_free_heap(FREE_HEAP_BOUND)
+                heap.check()
                 steps()
     steps.finish()
     cosine = cosine_stats(pooled["base"], pooled["model"])

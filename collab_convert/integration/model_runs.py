@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from ..cpu import bound_free_heap, release_unreachable, reused_heap
+from ..cpu import BoundedHeap, release_unreachable, reused_heap
 from ..devices import HOST, Device, moved
 from ..errors import BadInputError
 from ..io.spill import SpillFolder
@@ -106,7 +106,8 @@ def whole_model(folder: Path, device):
     return for_measuring(AutoModel.from_pretrained(folder)).to(device)
 
 
-# Free bytes a block's heap may hold between batches before they are handed back: on a 24-layer GPT-2-medium
+# Growth a block's heap may reach between batches before its free pages are handed back (cpu.BoundedHeap): on a
+# 24-layer GPT-2-medium
 # shape with 100 documents (9 batches a block), a block's peak rose to ~500 MB above the baseline unbounded,
 # against ~265 MB mapped and ~240 MB with this bound.
 FREE_HEAP_BOUND = 64 << 20
@@ -133,12 +134,13 @@ def _by_block(folder: Path, plan, batches: CalibrationBatches, current: CurrentB
             # of other lengths leave holes in the heap a little too small for the next, so its free part is
             # bounded, and it is handed back when the block is done (benchmarks.md).
             with reused_heap(), runner.weights_held(index):
+                heap = BoundedHeap(FREE_HEAP_BOUND)
                 for batch, (_, _, lengths) in enumerate(batches.batches):
                     if progress:
                         progress(f"{label}, layer {index + 1}/{len(blocks)}", index * len(batches.batches) + batch,
                                  steps)
                     _run_block(runner, index, batch, lengths, current, last=index + 1 == len(blocks))
-                    bound_free_heap(FREE_HEAP_BOUND)
+                    heap.check()
         finally:
             current.observations = None
             for handle in handles:
