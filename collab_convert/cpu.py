@@ -145,6 +145,9 @@ def return_freed_heap() -> None:
         libc.malloc_trim(0)
 
 
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 def anonymous_resident_bytes() -> int | None:
     """The process's anonymous resident memory (resident less file-backed and shared pages, /proc/self/statm),
     or None where there is no /proc."""
@@ -154,9 +157,6 @@ def anonymous_resident_bytes() -> int | None:
     except OSError:
         return None
     return (int(fields[1]) - int(fields[2])) * _PAGE_SIZE
-
-
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class BoundedHeap:

@@ -106,10 +106,9 @@ def whole_model(folder: Path, device):
     return for_measuring(AutoModel.from_pretrained(folder)).to(device)
 
 
-# Growth a block's heap may reach between batches before its free pages are handed back (cpu.BoundedHeap): on a
-# 24-layer GPT-2-medium
-# shape with 100 documents (9 batches a block), a block's peak rose to ~500 MB above the baseline unbounded,
-# against ~265 MB mapped and ~240 MB with this bound.
+# Growth a block's heap may reach between batches before its free pages are handed back (cpu.BoundedHeap). On a
+# 24-layer GPT-2-medium shape with 100 documents (9 batches a block), a block's peak rose to ~500 MB above the
+# baseline unbounded, against ~265 MB mapped and ~240 MB with this bound on glibc's count of free bytes.
 FREE_HEAP_BOUND = 64 << 20
 
 
