@@ -49,6 +49,9 @@ def test_output_is_a_complete_hugging_face_folder(tiny_bert, tmp_path):
     assert "encoder.layer.1.attention.self" in markdown and "relative error" in markdown
     card = (out / "README.md").read_text()
     assert card.startswith("---\n") and "base_model_relation: quantized" in card
+    # an encoder runs once over its input: no key cache in its report, card or costs
+    assert "cache" not in markdown.replace("cached", "") and "key cache" not in card
+    assert all(layer["cost_before"]["key_cache_per_token"] == 0 for layer in report["layers"])
     assert sorted(result.files) == result.files and "model.safetensors" in result.files
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
 

@@ -82,11 +82,10 @@ class Family:
         return None
 
     def caches_keys(self, site: Site) -> bool:
-        """Whether a site's keys are cached while generating. In an encoder-decoder only the decoder's
-        attention caches (its self-attention and its reads of the encoder); an encoder-only family's sites
-        count as cached, the key cache it reports being what a decoder of its shape would hold."""
-        generates = any(s.causal or s.cross for s in self.sites)
-        return site.causal or site.cross or not generates
+        """Whether a site's keys are cached while generating: a decoder's self-attention and its reads of an
+        encoder. An encoder's attention runs once over its input and caches nothing, so an encoder-only model
+        reports no key cache (a decoder-sized figure for BERT read as if it had one)."""
+        return site.causal or site.cross
 
     def heads(self, config: dict[str, Any], site: Site) -> HeadCounts:
         num_heads = self.num_heads(config, site)

@@ -192,16 +192,18 @@ def candidate_table(result: AnalysisResult) -> Table:
     calibration, the logit error and the measured cosine)."""
     calibrated = any(p.mean_logit_error is not None for p in result.predictions)
     measured = any(p.cosine_mean is not None for p in result.predictions)
-    columns = ["rank", "Q/K params", "key cache/token", "error"] + (["logit error"] if calibrated else [])
-    columns += ["cosine mean/p1"] if measured else []
-    table = Table(f"Candidate ranks, all {len(result.layers)} layers together", columns)
     first = result.predictions[0] if result.predictions else None
+    cached = bool(first and first.key_cache_before)  # an encoder caches nothing: no column of zeros
+    columns = ["rank", "Q/K params"] + (["key cache/token"] if cached else []) + ["error"]
+    columns += (["logit error"] if calibrated else []) + (["cosine mean/p1"] if measured else [])
+    table = Table(f"Candidate ranks, all {len(result.layers)} layers together", columns)
     if first:
-        row = ["original", f"{first.parameters_before:,}", f"{first.key_cache_before:,}", "0"]
-        table.rows.append(row + (["0"] if calibrated else []) + (["1/1"] if measured else []))
+        row = ["original", f"{first.parameters_before:,}"] + ([f"{first.key_cache_before:,}"] if cached else [])
+        table.rows.append(row + ["0"] + (["0"] if calibrated else []) + (["1/1"] if measured else []))
     for p in result.predictions:
-        row = [str(p.rank), f"{p.parameters:,} ({100 * p.parameters / p.parameters_before:.0f}%)",
-               f"{p.key_cache_per_token:,}", f"{p.mean_relative_error:.3f}"]
+        row = [str(p.rank), f"{p.parameters:,} ({100 * p.parameters / p.parameters_before:.0f}%)"]
+        row += [f"{p.key_cache_per_token:,}"] if cached else []
+        row += [f"{p.mean_relative_error:.3f}"]
         row += [f"{p.mean_logit_error:.3f}"] if calibrated else []
         row += [f"{p.cosine_mean:.4f}/{p.cosine_p01:.4f}"] if measured else []
         table.rows.append(row)

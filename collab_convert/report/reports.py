@@ -48,12 +48,13 @@ def markdown_report(result: "CompressResult", form) -> str:
         lines += _calibration_lines(result)
     columns, cells = form.layer_columns(result)
     terms = form.terms
+    cached = any(layer.cost_before[terms.cache_key] for layer in result.layers)  # an encoder caches nothing
     lines += [
         "",
         "| layer | " + " | ".join(columns) + " | params before | params after | "
         + " | ".join(f"{terms.compute_short} n={n} before/after" for n in SEQUENCE_LENGTHS)
-        + f" | {terms.cache_short} before/after |",
-        "|---|" + "---:|" * (len(columns) + 2 + len(SEQUENCE_LENGTHS) + 1),
+        + (f" | {terms.cache_short} before/after |" if cached else " |"),
+        "|---|" + "---:|" * (len(columns) + 2 + len(SEQUENCE_LENGTHS) + cached),
     ]
     for layer, own in zip(result.layers, cells, strict=True):
         scores = [
@@ -64,7 +65,7 @@ def markdown_report(result: "CompressResult", form) -> str:
         lines.append(
             f"| {layer.name} | " + " | ".join(own) + f" | {layer.parameters_before:,} | {layer.parameters_after:,} | "
             + " | ".join(scores)
-            + f" | {layer.cost_before[terms.cache_key]} / {layer.cost_after[terms.cache_key]} |"
+            + (f" | {layer.cost_before[terms.cache_key]} / {layer.cost_after[terms.cache_key]} |" if cached else " |")
         )
     return "\n".join(lines + form.report_notes(result))
 

@@ -144,14 +144,15 @@ def test_analyze_counts_the_key_cache_of_an_encoder_decoder_on_the_decoder_side(
         layer["original"]["key_cache_per_token"] for layer in decoder) > 0
 
 
-def test_only_the_decoder_side_of_an_encoder_decoder_caches_keys():
+def test_only_a_decoders_attention_caches_keys():
     from collab_convert.architectures.families import FAMILIES
 
     by_name = {family.name: family for family in FAMILIES}
     bart_encoder, bart_decoder, bart_cross = by_name["bart"].sites
     assert not by_name["bart"].caches_keys(bart_encoder)
     assert by_name["bart"].caches_keys(bart_decoder) and by_name["bart"].caches_keys(bart_cross)
-    assert by_name["bert"].caches_keys(by_name["bert"].sites[0])  # encoder-only: reported as a decoder would cache
+    assert not by_name["bert"].caches_keys(by_name["bert"].sites[0])  # an encoder runs once over its input
+    assert by_name["llama"].caches_keys(by_name["llama"].sites[0])
 
 
 @pytest.mark.parametrize("form, name", [("shared-key", "t5"), ("shared-key", "bart"), ("collaborative", "t5")])
