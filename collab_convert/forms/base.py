@@ -42,6 +42,7 @@ class Card:
     """What a form's model card says of how the checkpoint relates to its base and how it loads."""
 
     relation: str | None = "quantized"  # the Hub's base_model_relation: it loads through a quantization config
+    guarded: bool = True  # transformers alone refuses it (format.load_guard): it needs our loader or carried code
     tags: tuple[str, ...] = ("collaborative-attention",)
     loading: str = ("Load it after `import collab_convert` with the usual Auto classes, or with "
                     "`collab_convert.load_model`.")

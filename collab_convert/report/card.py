@@ -33,7 +33,36 @@ class CardSource:
 CARRIED_CODE = (f"Without collab-convert, pass `trust_remote_code=True` (transformers' Auto classes, "
                 "sentence-transformers, pipelines): the modeling code travels with the checkpoint "
                 f"({CHECKPOINT_CODE}; it imports only torch and transformers). Without that flag transformers "
-                "refuses the checkpoint rather than load it with random query and key weights.")
+                "refuses the checkpoint rather than load it with random query and key weights, unless told "
+                "`ignore_mismatched_sizes=True`: fine-tune it with that flag only after `import collab_convert` "
+                "or with `trust_remote_code=True`.")
+
+# A form that needs our loader and carries no code: what transformers alone does with it (format.load_guard)
+GUARDED = ("Without collab-convert, transformers refuses the checkpoint (a size mismatch on a guard tensor) rather "
+           "than load it with random weights where the attention was rewritten, unless told "
+           "`ignore_mismatched_sizes=True`: pass that flag only after `import collab_convert`.")
+
+UNGUARDED = ("Without collab-convert, transformers loads the original model from it (every weight the rewrite uses "
+             "beside the original's is ignored, and none was removed): import collab_convert to run the rewrite.")
+
+
+def _without_us(card, folder: Path) -> list[str]:
+    """What the card says of loading without collab-convert, where no code travels with the checkpoint."""
+    if not card.guarded:
+        return []
+    return [GUARDED if _has_guards(folder) else UNGUARDED]
+
+
+def _has_guards(folder: Path) -> bool:
+    """Whether the written weights hold a load guard (a tensor of no numbers). A form that replaced no weight (a
+    shared key read off QK-normed keys) has none: transformers alone then loads the original model."""
+    from safetensors import safe_open
+
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as weights:
+            if any(weights.get_slice(name).get_shape() == [0] for name in weights.keys()):
+                return True
+    return False
 
 
 def write_model_card(result: "CompressResult", form, source: CardSource, folder: Path) -> list[str]:
@@ -68,7 +97,7 @@ def write_model_card(result: "CompressResult", form, source: CardSource, folder:
         *summary_lines(result, form, texts=False),
         "",
         card.loading,
-        *([CARRIED_CODE] if (folder / CHECKPOINT_CODE).exists() else []),
+        *([CARRIED_CODE] if (folder / CHECKPOINT_CODE).exists() else _without_us(card, folder)),
         "Details per layer are in report.md.",
         "",
     ]

@@ -8,6 +8,7 @@ replaces nothing (a key norm keeps the key projection) loads as the original mod
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,13 +121,13 @@ def plain_loads(tmp_path_factory):
         report = json.loads(done.stdout.strip().splitlines()[-1])
         assert not report["imported_us"]
         seen.update(report["seen"])
-    return {name: (expected, seen[name]) for name, (expected, _) in cases.items()}
+    return {name: (expected, seen[name], Path(case["folder"])) for name, (expected, case) in cases.items()}
 
 
 @pytest.mark.slow
 def test_no_output_form_loads_silently_wrong_without_our_package(plain_loads):
     wrong = {}
-    for name, (expected, seen) in plain_loads.items():
+    for name, (expected, seen, _) in plain_loads.items():
         if expected == "refuses" and "refused" not in seen:
             wrong[name] = f"loaded (outputs {seen['difference']:.2e} from the original)"
         if expected in ("the original", "our loader's outputs") and seen.get("difference", 1.0) > 1e-4:
@@ -138,7 +139,7 @@ def test_no_output_form_loads_silently_wrong_without_our_package(plain_loads):
 def test_encoders_in_the_cp_form_load_right_with_their_own_code_where_the_user_trusts_it(plain_loads):
     """BERT-like, DistilBERT, ALBERT and ViT modules run their own forward over separate query and key projections:
     the code the checkpoint carries swaps them as our loader does, with no collab_convert to import."""
-    trusted = {name: seen for name, (expected, seen) in plain_loads.items() if expected == "our loader's outputs"}
+    trusted = {name: seen for name, (expected, seen, _) in plain_loads.items() if expected == "our loader's outputs"}
     assert {name.split(" ")[0] for name in trusted} == {"bert", "roberta", "xlm-roberta", "electra", "distilbert",
                                                        "albert", "vit", "deit"}
     assert all(seen.get("difference", 1.0) <= 1e-5 for seen in trusted.values()), trusted
@@ -146,8 +147,31 @@ def test_encoders_in_the_cp_form_load_right_with_their_own_code_where_the_user_t
 
 @pytest.mark.slow
 def test_a_refusal_says_the_shapes_disagree(plain_loads):
-    refusals = [seen["refused"] for expected, seen in plain_loads.values() if "refused" in seen]
+    refusals = [seen["refused"] for expected, seen, _ in plain_loads.values() if "refused" in seen]
     assert refusals and all("ignore_mismatched_sizes" in message for message in refusals)
+
+
+@pytest.mark.slow
+def test_each_card_says_what_loading_without_our_package_does(plain_loads):
+    """The card is what a user downloading a released checkpoint reads: it must say what transformers alone will do
+    with it (refuse, run the carried code when trusted, or load the original), as the loads above found."""
+    from collab_convert.report.card import CARRIED_CODE, GUARDED, UNGUARDED
+
+    wrong = {}
+    for name, (expected, seen, folder) in plain_loads.items():
+        card = (folder / "README.md").read_text()
+        carries = (folder / "collaborative_modeling.py").exists()
+        if expected == "refuses":
+            said = CARRIED_CODE if carries else GUARDED
+        elif "multi-query" in name:
+            said = "It is a stock checkpoint of its family"
+        elif expected == "the original":
+            said = UNGUARDED
+        else:
+            continue  # the trusted load of a folder checked above as refused without the flag
+        if said not in card:
+            wrong[name] = card[card.find("Load it"):][:300]
+    assert not wrong, wrong
 
 
 def test_our_loader_reads_a_guarded_checkpoint_without_a_warning(tmp_path, caplog):

@@ -82,6 +82,19 @@ def test_task_heads_load_with_their_auto_classes(tmp_path, token_batch):
     assert isinstance(load_model(tmp_path / "out"), type(original))
 
 
+def test_a_new_task_head_swapped_in_keeps_the_collaborative_attention(tmp_path, token_batch):
+    """A fine-tuning script's habit: a classifier of another label count over the checkpoint, with
+    ignore_mismatched_sizes=True. With collab_convert imported only the head is new; the attention stays ours
+    (without it, transformers would re-initialise the guarded projections too: docs/format.md)."""
+    source = save_tiny(tmp_path / "classifier", "BertForSequenceClassification")
+    compress(str(source), CompressOptions(rank=20, output=tmp_path / "out"))
+    ours = load_model(tmp_path / "out").eval()
+    swapped = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out", num_labels=5,
+                                                                 ignore_mismatched_sizes=True).eval()
+    assert swapped.classifier.out_features == 5 and ours.classifier.out_features == 2
+    assert torch.equal(outputs(swapped.bert, token_batch), outputs(ours.bert, token_batch))
+
+
 def test_a_loaded_collaborative_model_saves_and_reloads(tiny_bert, tmp_path, token_batch):
     compress(str(tiny_bert), CompressOptions(rank=20, output=tmp_path / "out"))
     model = load_model(tmp_path / "out").eval()

@@ -45,7 +45,7 @@ class MultiQueryForm(Form):
                   cache_key="kv_cache_per_token",
                   compute="attention multiply-adds per token (projections, then scores and values against n keys)",
                   compute_short="attention MACs per token")
-    card = Card(relation=None, tags=("multi-query-attention", "kv-cache-compression"),
+    card = Card(relation=None, guarded=False, tags=("multi-query-attention", "kv-cache-compression"),
                 loading="It is a stock checkpoint of its family: load it with transformers' `AutoModelForCausalLM` "
                         "(no collab-convert needed), or write it for llama.cpp with `collab-convert export OUT "
                         "--format gguf -o OUT.gguf`. Its provenance is under config.json's `collab_convert`.")
