@@ -1,7 +1,7 @@
 """What a calibrated run costs against its physical floor: one plain forward pass of the original over the same
 calibration tokens (issue 35), measured side by side in one run.
 
-    python benchmarks/calibration_cost.py [--model smollm2|minilm|FOLDER] [--budget "--key-cache 0.5"]
+    python benchmarks/calibration_cost.py [--model smollm2|minilm|qwen2-0.5b-shape|FOLDER] [--budget "--key-cache 0.5"]
         [--documents 300] [--max-length 128] [--extra "--distill-steps 0"] [--profile FILE.svg]
 
 1. The floor: the original loaded the way the CLI loads it (float32), the calibration texts tokenised and cut at
@@ -113,6 +113,10 @@ def main() -> None:
 
     from collab_convert.io.folders import DEFAULT_MODEL, resolve_model
 
+    if args.model == "qwen2-0.5b-shape":  # a 0.5B-class grouped-query decoder, built once (shaped_decoder.py)
+        from shaped_decoder import build
+
+        args.model = str(build())
     name = MODELS.get(args.model, args.model) or DEFAULT_MODEL
     folder = resolve_model(name)
     budget = (args.budget or ("--rank 192" if args.model == "minilm" else "--key-cache 0.5")).split()
