@@ -217,6 +217,11 @@ class CompressResult(_Data):
     def mean_relative_error(self) -> float:
         return sum(layer.relative_error for layer in self.layers) / max(len(self.layers), 1)
 
+    def cache_before(self, key: str = "key_cache_per_token") -> int:
+        """The original's cache per token over all layers, in the cost figure `key` (a form's terms.cache_key): 0
+        for an encoder, which caches nothing, so its reports print no cache."""
+        return sum(layer.cost_before[key] for layer in self.layers)
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["totals"] = {

@@ -48,7 +48,7 @@ def markdown_report(result: "CompressResult", form) -> str:
         lines += _calibration_lines(result)
     columns, cells = form.layer_columns(result)
     terms = form.terms
-    cached = any(layer.cost_before[terms.cache_key] for layer in result.layers)  # an encoder caches nothing
+    cached = bool(result.cache_before(terms.cache_key))
     lines += [
         "",
         "| layer | " + " | ".join(columns) + " | params before | params after | "

@@ -20,7 +20,7 @@ def _sum(result: "CompressResult", side: str, key: str) -> int:
 def cost_lines(result: "CompressResult", form) -> list[str]:
     terms = form.terms
     before, after = _sum(result, "cost_before", "parameters"), _sum(result, "cost_after", "parameters")
-    cache_before = _sum(result, "cost_before", terms.cache_key)
+    cache_before = result.cache_before(terms.cache_key)
     cache_after = _sum(result, "cost_after", terms.cache_key)
     lines = [f"- {terms.parameters}: {before:,} -> {after:,} ({_share(after, before)} of the original)"]
     if cache_before:  # an encoder caches nothing: no cache line to print

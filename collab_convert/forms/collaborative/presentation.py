@@ -62,8 +62,7 @@ def layer_columns(result: CompressResult) -> tuple[list[str], list[list[str]]]:
 
 
 def report_notes(result: CompressResult) -> list[str]:
-    shrink = "parameters and the key cache shrink" if any(layer.cost_before["key_cache_per_token"]
-                                                            for layer in result.layers) else "parameters shrink"
+    shrink = "parameters and the key cache shrink" if result.cache_before() else "parameters shrink"
     return ["", "Relative error is ||T - T~||_F / ||T||_F over the stacked per-head products T[i] = W_Q^(i) "
             "W_K^(i)^T. Q/K MACs per token are the multiply-adds of the query/key block for one token at context "
             "length n: its projections plus its scores against n keys. Collaborative heads score in R+1 dimensions "
