@@ -152,21 +152,21 @@ FAMILIES: tuple[Family, ...] = (
         # Models whose self-attention is BertSelfAttention or a verbatim copy of it.
         model_types=("bert", "roberta", "xlm-roberta", "electra", "camembert", "data2vec-text", "ernie"),
         sites=(Site(r"(^|\.)encoder\.layer\.\d+\.attention\.self$"),),
-        offers=(collaborative(SeparateProjections()),),
+        offers=(collaborative(SeparateProjections(value="value", output="../output.dense")),),
         requires=_ABSOLUTE_ONLY,
     ),
     Family(
         name="distilbert",
         model_types=("distilbert",),
         sites=(Site(r"(^|\.)transformer\.layer\.\d+\.attention$", "n_heads"),),
-        offers=(collaborative(SeparateProjections("q_lin", "k_lin")),),
+        offers=(collaborative(SeparateProjections("q_lin", "k_lin", "v_lin", "out_lin")),),
     ),
     Family(
         # One attention module per layer group, shared by every layer of the group: decomposed once.
         name="albert",
         model_types=("albert",),
         sites=(Site(r"(^|\.)encoder\.albert_layer_groups\.\d+\.albert_layers\.\d+\.attention$"),),
-        offers=(collaborative(SeparateProjections()),),
+        offers=(collaborative(SeparateProjections(value="value", output="dense")),),
         requires=_ABSOLUTE_ONLY,
     ),
     Family(
@@ -175,14 +175,14 @@ FAMILIES: tuple[Family, ...] = (
         name="mpnet",
         model_types=("mpnet",),
         sites=(Site(r"(^|\.)encoder\.layer\.\d+\.attention\.attn$"),),
-        offers=(collaborative(SeparateProjections("q", "k"), mpnet_forward),),
+        offers=(collaborative(SeparateProjections("q", "k", "v", "o"), mpnet_forward),),
         position_bias=_handed_position_bias,
     ),
     Family(
         name="vit",
         model_types=("vit", "deit"),
         sites=(Site(r"(^|\.)layers\.\d+\.attention$"),),
-        offers=(collaborative(SeparateProjections("q_proj", "k_proj")),),
+        offers=(collaborative(SeparateProjections("q_proj", "k_proj", "v_proj", "o_proj")),),
     ),
     Family(
         name="gpt2",
@@ -190,7 +190,7 @@ FAMILIES: tuple[Family, ...] = (
         sites=(Site(r"(^|\.)h\.\d+\.attn$", "n_head", causal=True),),
         offers=(
             # our forward, so the cache holds exactly the packed shared key (no head-size chunks)
-            collaborative(FusedProjection("c_attn", conv1d=True), gpt2_forward),
+            collaborative(FusedProjection("c_attn", conv1d=True, output="c_proj"), gpt2_forward),
             shared_key(SharedKeyProjections(fused="c_attn", conv1d=True, output="c_proj",
                                             output_dropout="resid_dropout", dropout="attn_dropout", input_norm="ln_1",
                                             rotates=False)),
@@ -208,7 +208,7 @@ FAMILIES: tuple[Family, ...] = (
         model_types=("gpt_bigcode",),
         sites=(Site(r"(^|\.)h\.\d+\.attn$", "n_head", causal=True),),
         offers=(
-            collaborative(FusedProjection("c_attn"), gpt_bigcode_forward),
+            collaborative(FusedProjection("c_attn", output="c_proj"), gpt_bigcode_forward),
             shared_key(SharedKeyProjections(fused="c_attn", output="c_proj", output_dropout="resid_dropout",
                                             dropout="attn_dropout", input_norm="ln_1", rotates=False)),
         ),
@@ -225,7 +225,7 @@ FAMILIES: tuple[Family, ...] = (
         sites=(Site(r"(^|\.)decoder\.layers\.\d+\.self_attn$", causal=True),),
         offers=(
             # our forward: its views spell out the head count, so the packed shared key needs our own
-            collaborative(SeparateProjections("q_proj", "k_proj"), opt_forward),
+            collaborative(SeparateProjections("q_proj", "k_proj", "v_proj", "out_proj"), opt_forward),
             shared_key(
                 SharedKeyProjections(output="out_proj", dropout="dropout", input_norm="self_attn_layer_norm",
                                      rotates=False),
@@ -246,7 +246,7 @@ FAMILIES: tuple[Family, ...] = (
         ),
         offers=(
             # our forward, so the caches hold exactly the packed shared key (no head-size chunks)
-            collaborative(SeparateProjections("q_proj", "k_proj"), bart_forward),
+            collaborative(SeparateProjections("q_proj", "k_proj", "v_proj", "out_proj"), bart_forward),
             # Every attention module takes the form; the decoder's caches hold the shared keys. BART normalises
             # after attention, so weight-only fits take isotropic inputs.
             shared_key(SharedKeyProjections(output="out_proj", dropout="dropout", input_norm=None, rotates=False),
@@ -263,7 +263,7 @@ FAMILIES: tuple[Family, ...] = (
             Site(r"(^|\.)decoder\.block\.\d+\.layer\.1\.EncDecAttention$", "num_heads", cross=True),
         ),
         offers=(
-            collaborative(SeparateProjections("q", "k"), t5_forward),
+            collaborative(SeparateProjections("q", "k", "v", "o"), t5_forward),
             shared_key(SharedKeyProjections(query="q", key="k", value="v", output="o", dropout="dropout",
                                             input_norm=None, rotates=False), t5_shared_key_forward),
         ),

@@ -72,6 +72,15 @@ class AttentionLayer:
 
 
 @dataclass
+class HeadOutputs:
+    """What each head's attention feeds, per QUERY head (grouped values repeated): its rows of the value
+    projection and its columns of the output projection. Calibrated fits weigh the heads by them."""
+
+    value_heads: torch.Tensor  # (N_h, d_k, D_key_in)
+    output_heads: torch.Tensor  # (N_h, D_out, d_k)
+
+
+@dataclass
 class Projections:
     """One layer's query/key projections in nn.Linear layout, and tensors that replace a fused projection."""
 
@@ -109,12 +118,46 @@ def _bias_if_present(reader: TensorReader, name: str) -> list[str]:
     return [name] if name in reader else []
 
 
+def beside(prefix: str, name: str) -> str:
+    """A module name relative to the attention module: "../output.dense" is a sibling of its parent's."""
+    while name.startswith("../"):
+        prefix, name = prefix.rpartition(".")[0], name[3:]
+    return f"{prefix}.{name}" if prefix else name
+
+
+def read_head_outputs(reader: TensorReader, layer: AttentionLayer, value: str | None,
+                      output: str | None) -> HeadOutputs | None:
+    """The value rows and output columns of every head, in nn.Linear layout; None where the layout names
+    none or the tensors are not there or do not split by head as the queries do (the heads then weigh alike)."""
+    if value is None or output is None:
+        return None
+    value_name, output_name = f"{layer.prefix}.{value}.weight", f"{beside(layer.prefix, output)}.weight"
+    if value_name not in reader or output_name not in reader:
+        return None
+    return split_head_outputs(finite(reader, value_name), finite(reader, output_name), layer)
+
+
+def split_head_outputs(value_weight: torch.Tensor, output_weight: torch.Tensor,
+                       layer: AttentionLayer) -> HeadOutputs | None:
+    """Value (N_kv d_k, D_in) and output (D_out, N_h d_k) Linears split by head; None where they do not split."""
+    heads, head_dim = layer.shape.num_heads, layer.shape.head_dim
+    if value_weight.ndim != 2 or value_weight.shape[0] != layer.key_rows or output_weight.ndim != 2 \
+            or output_weight.shape[1] != layer.shape.key_dim:
+        return None
+    value_heads = per_query_head(value_weight, layer).reshape(heads, head_dim, -1)
+    return HeadOutputs(value_heads, output_weight.reshape(-1, heads, head_dim).transpose(0, 1))
+
+
 @dataclass(frozen=True)
 class SeparateProjections:
-    """A query Linear and a key Linear, each (N_h d_k, D_in); keys may have fewer heads (grouped queries)."""
+    """A query Linear and a key Linear, each (N_h d_k, D_in); keys may have fewer heads (grouped queries). `value`
+    and `output`: the value and output Linears (relative names; "../" climbs to the parent module), read to weigh
+    the heads in calibrated fits."""
 
     query: str = "query"
     key: str = "key"
+    value: str | None = None
+    output: str | None = None
 
     @property
     def marker(self) -> str:
@@ -153,6 +196,9 @@ class SeparateProjections:
             kept={},
         )
 
+    def head_outputs(self, reader: TensorReader, layer: AttentionLayer) -> HeadOutputs | None:
+        return read_head_outputs(reader, layer, self.value, self.output)
+
     def output_specs(self, reader: TensorReader, layer: AttentionLayer, rank: int) -> list[TensorSpec]:
         return _collaborative_specs(reader, layer, rank)
 
@@ -188,6 +234,7 @@ class FusedProjection:
 
     name: str
     conv1d: bool = False
+    output: str | None = None  # the output projection, in the same layout (read to weigh the heads)
 
     @property
     def marker(self) -> str:
@@ -232,6 +279,13 @@ class FusedProjection:
             query_bias=bias[:width] if bias is not None else None,
             kept=kept,
         )
+
+    def head_outputs(self, reader: TensorReader, layer: AttentionLayer) -> HeadOutputs | None:
+        output_name = f"{beside(layer.prefix, self.output)}.weight" if self.output else None
+        if output_name is None or output_name not in reader:
+            return None
+        values = self._linear(finite(reader, layer.anchor))[layer.shape.key_dim + layer.key_rows:]
+        return split_head_outputs(values, self._linear(finite(reader, output_name)), layer)
 
     def output_specs(self, reader: TensorReader, layer: AttentionLayer, rank: int) -> list[TensorSpec]:
         """The collaborative tensors, then the value third of the fused projection, in the fused layout."""

@@ -12,7 +12,7 @@ from ..io.folders import read_config, resolve_model
 from ..io.reader import TensorReader
 from .agreement import check_agreement, check_readable
 from .families import Family, FormOffer
-from .layouts import AttentionLayer, Projections, natural_key
+from .layouts import AttentionLayer, HeadOutputs, Projections, natural_key
 from .lookup import family_for
 from .naming import model_renamer
 
@@ -42,6 +42,11 @@ class SourceModel:
 
     def read_projections(self, layer: AttentionLayer) -> Projections:
         return self.layout.read(self.reader, layer)
+
+    def read_head_outputs(self, layer: AttentionLayer) -> HeadOutputs | None:
+        """Each head's value rows and output columns, where the family's layout names them (layouts.py)."""
+        reading = getattr(self.layout, "head_outputs", None)
+        return reading(self.reader, layer) if reading else None
 
     def close(self) -> None:
         self.reader.close()

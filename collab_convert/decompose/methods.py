@@ -34,6 +34,8 @@ class FitRequest:
     # The products' HOSVD (tucker_subspaces with bases), where the caller fits one layer at several ranks: computed
     # once instead of at every rank (weight-only fits read it).
     subspaces: TuckerSubspaces | None = None
+    # With calibration: how much each head's attention moves the layer's output (calibrated.head_weights).
+    head_weights: torch.Tensor | None = None
 
     @property
     def calibrated(self) -> bool:
@@ -51,6 +53,7 @@ class LayerFit:
     iterations: int
     query_spectrum: torch.Tensor  # singular values of the query-/key-side unfoldings, for reports
     key_spectrum: torch.Tensor
+    head_weights: torch.Tensor | None = None  # the request's: refinement weighs the heads' KL alike
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ def _layer_fit(request: FitRequest, fit: FitResult, logit_error=None, correction
         iterations=fit.iterations,
         query_spectrum=_known_or(fit.query_spectrum, products, query_side_matrix),
         key_spectrum=_known_or(fit.key_spectrum, products, key_side_matrix),
+        head_weights=request.head_weights if logit_error is not None else None,
     )
 
 
@@ -94,7 +98,7 @@ def fit_tucker_cp_als(request: FitRequest) -> LayerFit:
         # MiniLM with refinement: 1e-3 loses 0.0006 of mean cosine against 1e-4; 1e-5 gains nothing for 40% more.
         fit, correction = fit_calibrated(
             request.products, request.rank, request.query_metric, request.key_metric, request.max_iterations,
-            min(request.tolerance, 1e-4), device=request.device,
+            min(request.tolerance, 1e-4), device=request.device, weights=request.head_weights,
         )
         return _layer_fit(request, fit, logit_error=fit.relative_error, correction=correction)
     fit = fit_collaborative(request.products, request.rank, request.max_iterations, request.tolerance, request.device,

@@ -65,14 +65,18 @@ class _Batch:
     entropy: float  # sum of target_p x log target_p: the KL's constant part
 
     @classmethod
-    def of(cls, x, y, key_mask, x_mask, original_scores, heads: int, position_bias=None) -> "_Batch":
+    def of(cls, x, y, key_mask, x_mask, original_scores, heads: int, position_bias=None,
+           head_weights=None) -> "_Batch":
         """`position_bias` (B | 1, H, n, m): a relative position bias the layer adds to its scores; it rides in the
-        mask, which both the original and the collaborative scores receive."""
+        mask, which both the original and the collaborative scores receive. `head_weights` (H,): each head's KL
+        counts that many times (calibrated.head_weights: how far its attention moves the output)."""
         mask = _mask_to_add(key_mask)
         if position_bias is not None:
             mask = mask + position_bias
         target = torch.log_softmax(original_scores + mask, dim=-1)
         target_p = target.exp() * x_mask[:, None, :, None]
+        if head_weights is not None:
+            target_p = target_p * head_weights.to(target_p)[None, :, None, None]
         return cls(x, y, mask, int(x_mask.sum()) * heads, target_p, float((target_p * target).sum()))
 
 
@@ -127,7 +131,7 @@ def _sequences(queries, keys, query_weight, query_bias, key_weight, heads: int, 
 
 @torch.no_grad()
 def _sampled_batch(chosen: list[_Sequence], rows: int | None, scaling: float, causal: bool, generator,
-                   position_bias=None) -> _Batch:
+                   position_bias=None, head_weights=None) -> _Batch:
     """A few sequences with `rows` sampled query positions each (None: all of them): the unbiased minibatch of
     the attention KL."""
     device = chosen[0].x.device
@@ -151,32 +155,38 @@ def _sampled_batch(chosen: list[_Sequence], rows: int | None, scaling: float, ca
     if causal:
         positions, _ = _pad([p[:, None].float() for p in picks])  # (B, rows, 1)
         key_mask = key_mask & (torch.arange(y.shape[1], device=device)[None, None, :] <= positions)[:, None]
-    return _Batch.of(x, y, key_mask, x_mask, torch.matmul(q, k.transpose(-1, -2)) * scaling, heads, bias)
+    return _Batch.of(x, y, key_mask, x_mask, torch.matmul(q, k.transpose(-1, -2)) * scaling, heads, bias,
+                     head_weights)
 
 
 @torch.no_grad()
 def _original_attention(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal,
-                        position_bias=None, rows: int | None = None, seed: int = 0, device=HOST) -> list[_Batch]:
+                        position_bias=None, rows: int | None = None, seed: int = 0, device=HOST,
+                        head_weights=None) -> list[_Batch]:
     """The original attention of every sequence, in batches of 32 of similar length (padding costs little in an
     n^2 score matrix): at all query positions, or at `rows` of them per sequence, drawn once with `seed`."""
     pool = _sequences(queries, keys, query_weight, query_bias, key_weight, num_heads, device)
     order = sorted(range(len(pool)), key=lambda i: (pool[i].x.shape[0], pool[i].y.shape[0]))
     generator = torch.Generator().manual_seed(seed)
     return [_sampled_batch([pool[i] for i in order[start:start + 32]], rows, scaling, causal, generator,
-                           position_bias) for start in range(0, len(order), 32)]
+                           position_bias, head_weights) for start in range(0, len(order), 32)]
 
 
 class AttentionTarget:
     """The original layer's attention on calibration sequences: what a refinement reproduces. A held-out slice
     of the sequences (a tenth, when there are at least ten) is kept apart to judge a refinement by. Its
-    batches live on `device`, where the losses are computed; the samples may wait in host memory."""
+    batches live on `device`, where the losses are computed; the samples may wait in host memory. With
+    `head_weights` (H,) the KL is each head's weighted by them (mean 1)."""
 
     def __init__(self, queries: list[torch.Tensor], keys: list[torch.Tensor], query_weight: torch.Tensor,
                  query_bias: torch.Tensor | None, key_weight: torch.Tensor, num_heads: int, scaling: float,
-                 causal: bool = False, position_bias: torch.Tensor | None = None, device=HOST):
+                 causal: bool = False, position_bias: torch.Tensor | None = None, device=HOST,
+                 head_weights: torch.Tensor | None = None):
         self.device = device = torch.device(device)
         if position_bias is not None:
             position_bias = position_bias.to(device)
+        if head_weights is not None:
+            head_weights = head_weights.to(device, torch.float32)
         held = max(len(queries) // 10, 1) if len(queries) >= 10 else 0
         train = slice(0, len(queries) - held) if held else slice(None)
         check = slice(len(queries) - held, None) if held else slice(None)
@@ -184,9 +194,10 @@ class AttentionTarget:
         # the checks cost half as much on 128-token texts, and the mean KL they estimate is the same
         self.check_batches = _original_attention(queries[check], keys[check], query_weight, query_bias, key_weight,
                                                  num_heads, scaling, causal, position_bias, rows=HELD_OUT_ROWS,
-                                                 device=self.device)
+                                                 device=self.device, head_weights=head_weights)
         self.check_rows = sum(b.rows for b in self.check_batches)
         self.scaling, self.causal, self.position_bias = scaling, causal, position_bias
+        self.head_weights = head_weights
         # the training sequences' original queries and keys, computed when a refinement first asks: judging a
         # fit (held_out_kl) needs only the held-out slice. The closure must not hold `self`: a cycle would keep
         # every layer's held-out attention alive until the cyclic collector ran (measured: a calibrated
@@ -208,7 +219,8 @@ class AttentionTarget:
         if self.train is None:
             self.train = self._train()
         chosen = [self.train[i] for i in torch.randperm(len(self.train), generator=generator)[:sequences]]
-        batch = _sampled_batch(chosen, rows, self.scaling, self.causal, generator, self.position_bias)
+        batch = _sampled_batch(chosen, rows, self.scaling, self.causal, generator, self.position_bias,
+                               self.head_weights)
         return _collaborative_kl(parameters, batch, self.scaling, self.products)
 
 
@@ -231,16 +243,17 @@ def refine_attention(
     on_check=None,
     position_bias: torch.Tensor | None = None,
     device: Device = HOST,
+    head_weights: torch.Tensor | None = None,
 ) -> RefineResult:
     """Adam on the mean KL(original || collaborative) of every head's attention, stochastically: each step
     sees `batch_sequences` sequences and `query_rows` sampled query positions in each, so a step costs the same
     whatever the length and number of the calibration sequences. The held-out slice decides when to stop (no
     gain in five checks) and which parameters to keep; the start counts, so the result is never worse on it
     than the fit it started from. `on_check(step, loss)` hears each held-out check. `position_bias` (H, N, N):
-    a relative position bias the layer adds to its scores, for sequences up to N long. The steps run on `device`;
-    the result comes back in host memory."""
+    a relative position bias the layer adds to its scores, for sequences up to N long. `head_weights` (H,): each
+    head's KL weighted (AttentionTarget). The steps run on `device`; the result comes back in host memory."""
     target = AttentionTarget(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal,
-                             position_bias, device)
+                             position_bias, device, head_weights)
     start = (factors.shared_query, factors.shared_key, factors.mixing, content_bias)
     parameters = [t.to(target.device, torch.float32).clone().requires_grad_(True) for t in start]
     generator = torch.Generator().manual_seed(seed)

@@ -17,7 +17,7 @@ from ...results import AnalysisResult, LayerAnalysis, rounded
 from ...streaming import each_layer
 from ..base import ENERGY_SHARES, predictions
 from .ranks import estimator
-from .statistics import calibrate
+from .statistics import calibrate, head_weights_of
 
 
 def analyze(source: SourceModel, options: AnalyzeOptions, settings: CompressOptions, progress: Progress,
@@ -61,10 +61,12 @@ def _analyze_layer(source: SourceModel, layer, ranks: list[int], metrics, device
         "head_unfolding": spec.head_unfolding,
     }
     candidates = []
+    weights = head_weights_of(source, layer, metric)  # as compress weighs them: the same logit error
     for at in fitted:
         fit = method_named(DEFAULT_METHOD).fit(FitRequest(
             products, at, device=device, query_metric=metric.query if metric else None,
             key_metric=metric.key if metric else None, subspaces=None if metric else subspaces,
+            head_weights=weights,
         ))
         cost = collaborative_cost(layer.shape, at, layer.stores_content_bias(metric is not None))
         cost = cost.cached(layer.caches_keys).as_dict()

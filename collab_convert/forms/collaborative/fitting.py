@@ -23,6 +23,7 @@ from ...progress import DETAIL, Progress
 from ...resume import FinishedLayers
 from ...results import CollaborativeLayerReport, rounded
 from ...streaming import fit_workers, layer_labels, stream_weights
+from .statistics import head_weights_of
 
 
 def convert_weights(source: SourceModel, options: CompressOptions, folder: Path, progress: Progress,
@@ -102,7 +103,7 @@ def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[
         target = AttentionTarget(metric.query_samples, metric.key_samples, projections.query_weight,
                                  projections.query_bias, projections.key_weight, layer.shape.num_heads,
                                  score_scale(layer, metric), layer.causal, getattr(metric, "position_bias", None),
-                                 device=options.device)
+                                 device=options.device, head_weights=fit.head_weights)
         losses.append(target.held_out_kl((fit.factors.shared_query, fit.factors.shared_key, fit.factors.mixing, bias)))
     steps = dict(zip(fits, share_steps(losses, options.refine_steps * len(source.layers)), strict=True))
     if finished:
@@ -126,6 +127,7 @@ def _fit(source: SourceModel, layer: AttentionLayer, options: CompressOptions, r
     fit = method_named(options.method).fit(FitRequest(
         products, rank, options.max_iterations, options.tolerance, options.device, options.seed,
         query_metric=metric.query if metric else None, key_metric=metric.key if metric else None,
+        head_weights=head_weights_of(source, layer, metric),
     ))
     bias = content_bias(projections.key_weight, projections.query_bias, layer.shape.num_heads)
     if fit.content_bias_correction is not None:
@@ -150,7 +152,7 @@ def _refine(projections: Projections, layer: AttentionLayer, fit: LayerFit, bias
         metric.query_samples, metric.key_samples, projections.query_weight, projections.query_bias,
         projections.key_weight, fit.factors, bias, layer.shape.num_heads, score_scale(layer, metric),
         causal=layer.causal, steps=steps[layer.prefix], seed=options.seed, on_check=on_check,
-        position_bias=getattr(metric, "position_bias", None), device=options.device,
+        position_bias=getattr(metric, "position_bias", None), device=options.device, head_weights=fit.head_weights,
     )
     return {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
             "factors": refined.factors, "content_bias": refined.content_bias.to(bias.dtype)}

@@ -40,10 +40,25 @@ def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], p
         "examples": batches.texts,
         "tokens": batches.tokens,
         "max_length": options.calibration_max_length,
-        "objective": "logit error on the calibration inputs (keys centred per sequence)",
+        "objective": "logit error on the calibration inputs (keys centred per sequence)"
+                     + (", each head's weighted by how far its attention moves the layer's output (its value and "
+                        "output projections)" if getattr(source.layout, "output", None) else ""),
         "refinement": refinement,
     }
     return metrics, calibration
+
+
+def head_weights_of(source: SourceModel, layer, metric):
+    """With calibration, how much each head's attention moves the layer's output (decompose/calibrated.py), where
+    the family names its value and output projections; None (the heads weigh alike) elsewhere."""
+    if metric is None:
+        return None
+    head_outputs = source.read_head_outputs(layer)
+    if head_outputs is None:
+        return None
+    from ...decompose.calibrated import head_weights
+
+    return head_weights(head_outputs.value_heads, head_outputs.output_heads, metric.key.covariance)
 
 
 def direction_energies(source: SourceModel, metrics) -> dict[str, torch.Tensor]:
