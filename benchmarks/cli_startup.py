@@ -1,9 +1,12 @@
-"""How fast the CLI answers without doing work: --help, --version and a usage error, as a user runs them.
+"""How fast the CLI answers without doing work: --help, --version and a usage error, as a user runs them; and
+how fast `compress` on the embedded encoder refuses a forgotten --rank.
 
     python benchmarks/cli_startup.py
 
 Each command runs 5 times in a fresh process (the installed `collab-convert` script); the median wall time is
-printed. Target: under 1 s each. torch and transformers are imported only by commands that need them.
+printed. Target: under 1 s each. torch and transformers are imported only by commands that need them. The
+forgotten --rank needs the model's config read and its family found (which imports torch, not transformers):
+no target, its time is printed for the record.
 """
 
 from __future__ import annotations
@@ -23,6 +26,12 @@ COMMANDS = [
 ]
 
 
+def forgotten_rank() -> list[str]:
+    from collab_convert.io.folders import DEFAULT_MODEL, resolve_model
+
+    return ["compress", str(resolve_model(DEFAULT_MODEL)), "-o", "/tmp/cli-startup-never-written"]
+
+
 def wall(arguments: list[str]) -> float:
     executable = shutil.which("collab-convert")
     command = [executable, *arguments] if executable else [sys.executable, "-m", "collab_convert", *arguments]
@@ -38,6 +47,8 @@ def main() -> None:
         median = statistics.median(wall(arguments) for _ in range(5))
         shown = "collab-convert " + " ".join(arguments)
         print(f"{shown:45s} {median:8.3f}  {'ok' if median < 1 else 'SLOW'}")
+    median = statistics.median(wall(forgotten_rank()) for _ in range(5))
+    print(f"{'collab-convert compress MINILM -o OUT (no --rank)':45s} {median:8.3f}  (refused from config.json)")
 
 
 if __name__ == "__main__":

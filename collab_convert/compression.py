@@ -47,11 +47,25 @@ def _check(source: SourceModel, options: CompressOptions) -> tuple[CompressPlan,
 def compress(model: str, options: CompressOptions, progress: Progress = no_progress) -> CompressResult:
     """Re-parametrize every attention layer into the form asked for and write a complete checkpoint."""
     from .cpu import math_threads, return_freed_memory
+
+    _refuse_early(model, options)
     from .integration import loading  # noqa: F401 - transformers' lazy imports land here, before the clock starts
 
     return_freed_memory()
     with math_threads(options.threads) as (threads, why):
         return _compress(model, options, progress, {"threads": threads, "why": why})
+
+
+def _refuse_early(model: str, options: CompressOptions) -> None:
+    """The form's refusals of the options alone, from config.json's family (as open_model finds it), before
+    transformers and the weights load: a forgotten size is said in a second or two."""
+    from .architectures.lookup import family_for
+    from .format import is_collaborative
+    from .io.folders import read_config, resolve_model
+
+    config = read_config(resolve_model(model))
+    if not is_collaborative(config):  # open_model refuses that one, in its words
+        form_named(family_for(config, options.requested_form)[1].form).refuse_options(options)
 
 
 def _compress(model: str, options: CompressOptions, progress: Progress, threads: dict[str, Any]) -> CompressResult:

@@ -35,6 +35,22 @@ def test_help_and_usage_errors_never_import_torch_or_transformers():
     assert out.strip().splitlines()[-1] == "[]"
 
 
+def test_a_forgotten_rank_is_refused_before_transformers_or_the_weights_load(tiny_bert, tmp_path):
+    """The CP form needs --rank: the config says which form, so the refusal needs neither the modeling code nor
+    the weights (it used to come after both, ~6 s on all-MiniLM-L6-v2)."""
+    (tiny_bert / "model.safetensors").rename(tmp_path / "elsewhere.safetensors")  # no weights to read at all
+    probe = (
+        "import sys\n"
+        "from collab_convert.cli import main\n"
+        f"print('exit', main(['compress', {str(tiny_bert)!r}, '-o', {str(tmp_path / 'out')!r}]))\n"
+        "print('transformers' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert "give --rank R" in run.stderr + run.stdout
+    assert run.stdout.strip().splitlines()[-2:] == ["exit 3", "False"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_importing_the_package_registers_with_transformers_when_it_loads():
     probe = (
         "import sys, collab_convert\n"

@@ -78,6 +78,10 @@ class Form(ABC):
     report_type: type[LayerReport]  # what convert reports per layer, and --resume reads back
 
     # --- compress -----------------------------------------------------------------------------------------------
+    def refuse_options(self, options: CompressOptions) -> None:
+        """Refuse what the options alone tell this form cannot honour, before any model is opened: a user who left
+        out a size hears it in a second or two, not after transformers has loaded. plan() refuses it again."""
+
     @abstractmethod
     def plan(self, source: SourceModel, options: CompressOptions) -> FormPlan:
         """Refuse options this form cannot honour (one line each); the plan of every layer."""

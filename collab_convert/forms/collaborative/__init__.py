@@ -24,7 +24,7 @@ from ...results import AnalysisResult, CollaborativeLayerReport
 from ..base import Form, FormPlan, Statistics
 from . import analysis, presentation
 from .fitting import convert_weights, write_format_config
-from .ranks import choose_ranks, estimator, plan_layers
+from .ranks import choose_ranks, estimator, plan_layers, refuse_options
 from .statistics import calibrate
 
 
@@ -33,6 +33,9 @@ class CollaborativeForm(Form):
     format_version = 1
     report_type = CollaborativeLayerReport
     presentation = presentation
+
+    def refuse_options(self, options: CompressOptions) -> None:
+        refuse_options(options)
 
     def plan(self, source: SourceModel, options: CompressOptions) -> FormPlan:
         size = f"rank {options.rank}"

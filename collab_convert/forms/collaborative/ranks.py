@@ -16,9 +16,8 @@ from .fitting import convert_weights, write_format_config
 from .statistics import energy_ranks, spread_ranks
 
 
-def plan_layers(source: SourceModel, options: CompressOptions) -> list[dict]:
-    """Each layer's rank (or "auto") and query/key parameters before and after; refuses what the CP form cannot
-    honour."""
+def refuse_options(options: CompressOptions) -> None:
+    """What the CP form refuses from the options alone."""
     if options.key_cache is not None or options.kv_cache is not None:
         flag, form = ("--key-cache", "shared-key") if options.key_cache is not None else ("--kv-cache", "multi-query")
         raise BadInputError(f"{flag} sizes the {form} form, which --form collaborative is not; give --rank")
@@ -29,6 +28,12 @@ def plan_layers(source: SourceModel, options: CompressOptions) -> list[dict]:
                             "from its target: drop one of them")
     if options.calibration is not None and not method_named(options.method).calibrates:
         raise BadInputError(f"--calibration does not work with the {options.method} method")
+
+
+def plan_layers(source: SourceModel, options: CompressOptions) -> list[dict]:
+    """Each layer's rank (or "auto") and query/key parameters before and after; refuses what the CP form cannot
+    honour."""
+    refuse_options(options)
     layers = []
     for layer in source.layers:
         rank = options.rank
