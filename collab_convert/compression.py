@@ -61,8 +61,10 @@ def _refuse_early(model: str, options: CompressOptions) -> None:
     transformers and the weights load: a forgotten size is said in a second or two."""
     from .architectures.lookup import family_for
     from .format import is_collaborative
-    from .io.folders import read_config, resolve_model
+    from .io.folders import EMBEDDED_MODELS, read_config, resolve_model
 
+    if Path(model).expanduser().is_file() or EMBEDDED_MODELS.get(model, ("", ""))[1].endswith(".gguf"):
+        return  # a GGUF input is converted once, while the progress says the model is being opened
     config = read_config(resolve_model(model))
     if not is_collaborative(config):  # open_model refuses that one, in its words
         form_named(family_for(config, options.requested_form)[1].form).refuse_options(options)
