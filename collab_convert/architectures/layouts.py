@@ -73,8 +73,7 @@ class AttentionLayer:
 
 @dataclass
 class HeadOutputs:
-    """What each head's attention feeds, per QUERY head (grouped values repeated): its rows of the value
-    projection and its columns of the output projection. Calibrated fits weigh the heads by them."""
+    """Each QUERY head's value rows (grouped values repeated) and output columns: calibrated fits weigh by them."""
 
     value_heads: torch.Tensor  # (N_h, d_k, D_key_in)
     output_heads: torch.Tensor  # (N_h, D_out, d_k)
@@ -118,32 +117,27 @@ def _bias_if_present(reader: TensorReader, name: str) -> list[str]:
     return [name] if name in reader else []
 
 
-def beside(prefix: str, name: str) -> str:
-    """A module name relative to the attention module: "../output.dense" is a sibling of its parent's."""
+def weight_beside(prefix: str, name: str) -> str:
+    """The weight of a module named relative to the attention module ("../" climbs to its parent)."""
     while name.startswith("../"):
         prefix, name = prefix.rpartition(".")[0], name[3:]
-    return f"{prefix}.{name}" if prefix else name
+    return f"{prefix}.{name}.weight" if prefix else f"{name}.weight"
 
 
-def read_head_outputs(reader: TensorReader, layer: AttentionLayer, value: str | None,
-                      output: str | None) -> HeadOutputs | None:
-    """The value rows and output columns of every head, in nn.Linear layout; None where the layout names
-    none or the tensors are not there or do not split by head as the queries do (the heads then weigh alike)."""
-    if value is None or output is None:
-        return None
-    value_name, output_name = f"{layer.prefix}.{value}.weight", f"{beside(layer.prefix, output)}.weight"
-    if value_name not in reader or output_name not in reader:
-        return None
-    return split_head_outputs(finite(reader, value_name), finite(reader, output_name), layer)
+def split_by_head(reader: TensorReader, layer: AttentionLayer, value: str | None, output: str,
+                  conv1d: bool = False) -> bool:
+    """From the headers: whether value (N_kv d_k, D_in) and output (D_out, N_h d_k) weights exist and split by
+    head as the queries do (`value` None: the values are a fused projection's last third)."""
+    if output not in reader or (value is not None and value not in reader):
+        return False
+    shape = tuple(reader.spec(output).shape)[:: -1 if conv1d else 1]
+    values = value is None or len(reader.spec(value).shape) == 2 and reader.spec(value).shape[0] == layer.key_rows
+    return values and len(shape) == 2 and shape[1] == layer.shape.key_dim
 
 
-def split_head_outputs(value_weight: torch.Tensor, output_weight: torch.Tensor,
-                       layer: AttentionLayer) -> HeadOutputs | None:
-    """Value (N_kv d_k, D_in) and output (D_out, N_h d_k) Linears split by head; None where they do not split."""
+def split_head_outputs(value_weight: torch.Tensor, output_weight: torch.Tensor, layer: AttentionLayer) -> HeadOutputs:
+    """Value (N_kv d_k, D_in) and output (D_out, N_h d_k) Linears split by head."""
     heads, head_dim = layer.shape.num_heads, layer.shape.head_dim
-    if value_weight.ndim != 2 or value_weight.shape[0] != layer.key_rows or output_weight.ndim != 2 \
-            or output_weight.shape[1] != layer.shape.key_dim:
-        return None
     value_heads = per_query_head(value_weight, layer).reshape(heads, head_dim, -1)
     return HeadOutputs(value_heads, output_weight.reshape(-1, heads, head_dim).transpose(0, 1))
 
@@ -196,8 +190,16 @@ class SeparateProjections:
             kept={},
         )
 
-    def head_outputs(self, reader: TensorReader, layer: AttentionLayer) -> HeadOutputs | None:
-        return read_head_outputs(reader, layer, self.value, self.output)
+    def weighs_heads(self, reader: TensorReader, layer: AttentionLayer) -> bool:
+        """Whether its value and output weights are named, there, and split by head (headers only)."""
+        return bool(self.value and self.output) and split_by_head(reader, layer, *self._head_output_names(layer))
+
+    def _head_output_names(self, layer: AttentionLayer) -> tuple[str, str]:
+        return weight_beside(layer.prefix, self.value), weight_beside(layer.prefix, self.output)
+
+    def head_outputs(self, reader: TensorReader, layer: AttentionLayer) -> HeadOutputs:
+        """Each head's value rows and output columns, where weighs_heads."""
+        return split_head_outputs(*(finite(reader, name) for name in self._head_output_names(layer)), layer)
 
     def output_specs(self, reader: TensorReader, layer: AttentionLayer, rank: int) -> list[TensorSpec]:
         return _collaborative_specs(reader, layer, rank)
@@ -280,12 +282,16 @@ class FusedProjection:
             kept=kept,
         )
 
-    def head_outputs(self, reader: TensorReader, layer: AttentionLayer) -> HeadOutputs | None:
-        output_name = f"{beside(layer.prefix, self.output)}.weight" if self.output else None
-        if output_name is None or output_name not in reader:
-            return None
+    def weighs_heads(self, reader: TensorReader, layer: AttentionLayer) -> bool:
+        """Whether its output weight is named, there, and split by head (headers only)."""
+        output = weight_beside(layer.prefix, self.output) if self.output else ""
+        return bool(output) and split_by_head(reader, layer, None, output, self.conv1d)
+
+    def head_outputs(self, reader: TensorReader, layer: AttentionLayer) -> HeadOutputs:
+        """Each head's value rows (the fused projection's last third) and output columns, where weighs_heads."""
         values = self._linear(finite(reader, layer.anchor))[layer.shape.key_dim + layer.key_rows:]
-        return split_head_outputs(values, self._linear(finite(reader, output_name)), layer)
+        output = self._linear(finite(reader, weight_beside(layer.prefix, self.output)))
+        return split_head_outputs(values, output, layer)
 
     def output_specs(self, reader: TensorReader, layer: AttentionLayer, rank: int) -> list[TensorSpec]:
         """The collaborative tensors, then the value third of the fused projection, in the fused layout."""

@@ -43,10 +43,15 @@ class SourceModel:
     def read_projections(self, layer: AttentionLayer) -> Projections:
         return self.layout.read(self.reader, layer)
 
+    def weighs_heads(self, layer: AttentionLayer) -> bool:
+        """Whether the family's layout names the layer's value and output weights and they split by head, from the
+        headers (layouts.py): calibrated fits then weigh each head by how far its attention moves the output."""
+        weighs = getattr(self.layout, "weighs_heads", None)
+        return bool(weighs and weighs(self.reader, layer))
+
     def read_head_outputs(self, layer: AttentionLayer) -> HeadOutputs | None:
-        """Each head's value rows and output columns, where the family's layout names them (layouts.py)."""
-        reading = getattr(self.layout, "head_outputs", None)
-        return reading(self.reader, layer) if reading else None
+        """Each head's value rows and output columns, where weighs_heads; else None (the heads weigh alike)."""
+        return self.layout.head_outputs(self.reader, layer) if self.weighs_heads(layer) else None
 
     def close(self) -> None:
         self.reader.close()

@@ -100,6 +100,23 @@ def test_every_family_names_each_heads_value_and_output_weights(case, tmp_path):
         source.close()
 
 
+@pytest.mark.parametrize("names", [{"output": "../output.missing"}, {"value": "missing"},
+                                   {"value": "../output.LayerNorm"}, {"output": None}],
+                         ids=["no output weight", "no value weight", "a value that is no Linear", "none named"])
+def test_a_layer_whose_value_or_output_weights_are_not_found_weighs_its_heads_alike(names, tmp_path):
+    import dataclasses
+
+    build_family(next(c for c in FAMILY_CASES if c.name == "bert"), tmp_path / "model")
+    source = open_model(str(tmp_path / "model"), "collaborative")
+    try:
+        assert source.weighs_heads(source.layers[0])  # the family's own names are found
+        source.offer = dataclasses.replace(source.offer, layout=dataclasses.replace(source.layout, **names))
+        assert not source.weighs_heads(source.layers[0])
+        assert source.read_head_outputs(source.layers[0]) is None
+    finally:
+        source.close()
+
+
 def _value_to_output(found):
     return sum(found.output_heads[i] @ found.value_heads[i] for i in range(found.value_heads.shape[0]))
 

@@ -42,7 +42,7 @@ def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], p
         "max_length": options.calibration_max_length,
         "objective": "logit error on the calibration inputs (keys centred per sequence)"
                      + (", each head's weighted by how far its attention moves the layer's output (its value and "
-                        "output projections)" if getattr(source.layout, "output", None) else ""),
+                        "output projections)" if all(map(source.weighs_heads, source.layers)) else ""),
         "refinement": refinement,
     }
     return metrics, calibration
