@@ -103,6 +103,9 @@ class NeighbourGauge:
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MMAP_THRESHOLD = 1 << 20
 HEAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its moving threshold (64-bit)
+M_TRIM_THRESHOLD = -1
+TRIM_THRESHOLD = 128 << 10  # glibc's default, fixed once a threshold is set by hand
+HEAP_TRIM_THRESHOLD = 2 * HEAP_THRESHOLD  # what glibc pairs with its own moving threshold
 
 
 @functools.cache
@@ -202,7 +205,12 @@ def reused_heap():
     the heap then grows from what is live, not on top of what the work before it freed (a layer's PCA fit left
     80-160 MB of freed small blocks under each refinement of a 12-layer GPT-2-medium-shaped checkpoint). Nested
     or threaded users share it: the threshold returns when the last of them is done. Not used around forward
-    passes: there the heap grew by hundreds of MB (benchmarks.md, "What the fixed 1 MiB mmap threshold costs")."""
+    passes: there the heap grew by hundreds of MB (benchmarks.md, "What the fixed 1 MiB mmap threshold costs").
+
+    The heap's top is kept too (trim threshold 64 MiB, as glibc pairs with its own moving threshold): a threshold
+    set by hand leaves glibc's 128 KiB trim threshold fixed, so every step's freed tensors were handed back at
+    the top and faulted in again at the next, page by page. A MiniLM refinement step took 16-19 ms so, 10.5 ms
+    with the top kept. What stays is at most the step's own working set, which the peak already holds."""
     global _HEAP_USERS
     libc = _libc()
     if libc is None:
@@ -213,11 +221,13 @@ def reused_heap():
         if _HEAP_USERS == 1:
             libc.malloc_trim(0)
             libc.mallopt(M_MMAP_THRESHOLD, HEAP_THRESHOLD)
+            libc.mallopt(M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)
     try:
         yield
     finally:
         with _HEAP_LOCK:
             _HEAP_USERS -= 1
             if _HEAP_USERS == 0:
+                libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
                 libc.malloc_trim(0)
                 libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)

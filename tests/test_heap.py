@@ -45,6 +45,17 @@ def test_an_error_inside_still_gives_the_threshold_back(monkeypatch):
         assert libc.calls[-1] == ("mallopt", cpu.HEAP_THRESHOLD)
 
 
+def test_the_heap_keeps_its_top_while_reused_and_hands_it_back_after(monkeypatch):
+    """A threshold set by hand fixes glibc's trim threshold at 128 KiB: every step's freed tensors would go back at
+    the heap's top and be faulted in again. Inside, the top stays (up to 64 MiB); outside, the default returns."""
+    libc = RecordingLibc()
+    monkeypatch.setattr(cpu, "_libc", lambda: libc)
+    with cpu.reused_heap():
+        assert libc.trim_thresholds == [("mallopt", cpu.HEAP_TRIM_THRESHOLD)]
+    assert libc.trim_thresholds[-1] == ("mallopt", cpu.TRIM_THRESHOLD)
+    assert cpu.HEAP_TRIM_THRESHOLD == 64 << 20 and cpu.TRIM_THRESHOLD == 128 << 10
+
+
 def test_the_heap_is_trimmed_before_a_refinement_takes_it(monkeypatch):
     """What the work before freed (a layer's fit) is handed back first: the heap grows from what is live."""
     libc = RecordingLibc()

@@ -22,7 +22,10 @@ from .products import CollaborativeFactors
 # the keys to project per step for as many attention rows.
 LEARNING_RATE = 1e-2
 BATCH_SEQUENCES, QUERY_ROWS = 4, 64
-HELD_OUT_ROWS = 64
+# A held-out check scores every held-out sequence at this many fixed rows, as many sequences at a time as a step
+# sees: in one batch of 25 its float32 temporaries (16 MB each) outgrew the reused heap's top and were faulted in
+# page by page at every check, 55 ms a check on MiniLM, a quarter of the refining stage.
+HELD_OUT_ROWS, CHECK_SEQUENCES = 64, BATCH_SEQUENCES
 
 
 # Added to the scores of keys a query may not see: finite, so that 0 x log 0 terms stay 0 without a NaN pass,
@@ -43,41 +46,23 @@ class RefineResult:
     steps: int
 
 
-def _pad(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    length, device = max(s.shape[0] for s in sequences), sequences[0].device
-    padded = torch.zeros(len(sequences), length, sequences[0].shape[1], device=device)
-    mask = torch.zeros(len(sequences), length, dtype=torch.bool, device=device)
-    for i, s in enumerate(sequences):
-        padded[i, : s.shape[0]] = s
-        mask[i, : s.shape[0]] = True
-    return padded, mask
-
-
 @dataclass
 class _Batch:
     """Padded inputs of a few sequences and the original attention they should reproduce."""
 
     x: torch.Tensor  # (B, n, D) query-side inputs
     y: torch.Tensor  # (B, m, D) key-side inputs
-    mask: torch.Tensor  # (B, 1, n | 1, m): 0 where a query may see a key, MASKED elsewhere
+    mask: torch.Tensor  # (B, 1 | H, n | 1, m): 0 where a query may see a key, MASKED elsewhere (+ position bias)
     rows: int  # real (sequence, head, query) rows
-    target_p: torch.Tensor  # (B, H, n, m) the original attention; rows of padding queries are all 0
-    entropy: float  # sum of target_p x log target_p: the KL's constant part
+    target_p: torch.Tensor  # (B, H, n, m) the original attention, times each head's weight; padding rows all 0
+    entropy: float  # sum of target_p x log target_p: the KL's constant part (0 where only gradients are wanted)
 
     @classmethod
-    def of(cls, x, y, key_mask, x_mask, original_scores, heads: int, position_bias=None,
-           head_weights=None) -> "_Batch":
-        """`position_bias` (B | 1, H, n, m): a relative position bias the layer adds to its scores; it rides in the
-        mask, which both the original and the collaborative scores receive. `head_weights` (H,): each head's KL
-        counts that many times (calibrated.head_weights: how far its attention moves the output)."""
-        mask = _mask_to_add(key_mask)
-        if position_bias is not None:
-            mask = mask + position_bias
+    def of(cls, x, y, mask, row_weights, original_scores, rows: int, entropy: bool = True) -> "_Batch":
+        """`row_weights` (B, H, n, 1): 0 on padding rows, else the head's weight (1 when heads weigh alike)."""
         target = torch.log_softmax(original_scores + mask, dim=-1)
-        target_p = target.exp() * x_mask[:, None, :, None]
-        if head_weights is not None:
-            target_p = target_p * head_weights.to(target_p)[None, :, None, None]
-        return cls(x, y, mask, int(x_mask.sum()) * heads, target_p, float((target_p * target).sum()))
+        target_p = target.exp().mul_(row_weights)
+        return cls(x, y, mask, rows, target_p, float((target_p * target).sum()) if entropy else 0.0)
 
 
 def product_in(left: torch.Tensor, right: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -103,73 +88,95 @@ def _collaborative_kl(parameters, batch: _Batch, scaling: float, products: torch
     return (batch.entropy - (batch.target_p * log_q).sum()) / batch.rows
 
 
-@dataclass
-class _Sequence:
-    """One calibration sequence: inputs and the original layer's per-head queries and keys on them."""
-
-    x: torch.Tensor  # (n, D)
-    y: torch.Tensor  # (m, D)
-    queries: torch.Tensor  # (n, H, d)
-    keys: torch.Tensor  # (m, H, d)
-
-
-@torch.no_grad()
-def _sequences(queries, keys, query_weight, query_bias, key_weight, heads: int, device) -> list[_Sequence]:
-    """Each sequence on `device` in float32 (samples wait in host memory, maybe in half precision)."""
-    d_k = query_weight.shape[0] // heads
-    query_weight, key_weight = (w.to(device, torch.float32) for w in (query_weight, key_weight))
-    bias = query_bias.to(device, torch.float32) if query_bias is not None else 0.0
-    pool = []
-    for x, y in zip(queries, keys):
-        same = y is x  # self-attention samples are one tensor for both sides: one float copy
-        x = x.to(device, torch.float32)
-        y = x if same else y.to(device, torch.float32)
-        pool.append(_Sequence(x, y, (x @ query_weight.T + bias).view(-1, heads, d_k),
-                              (y @ key_weight.T).view(-1, heads, d_k)))
-    return pool
+def _stack(sequences: list[torch.Tensor], device) -> torch.Tensor:
+    """(S, longest, D) on `device` in the sequences' own dtype, zeros past each one's end."""
+    stacked = torch.zeros(len(sequences), max(s.shape[0] for s in sequences), sequences[0].shape[1],
+                          dtype=sequences[0].dtype, device=device)
+    for row, sequence in enumerate(sequences):
+        stacked[row, : sequence.shape[0]] = sequence.to(device)
+    return stacked
 
 
-@torch.no_grad()
-def _sampled_batch(chosen: list[_Sequence], rows: int | None, scaling: float, causal: bool, generator,
-                   position_bias=None, head_weights=None) -> _Batch:
-    """A few sequences with `rows` sampled query positions each (None: all of them): the unbiased minibatch of
-    the attention KL."""
-    device = chosen[0].x.device
-    # drawn on the host generator, so a seed picks the same rows on every device
-    picks = [(torch.arange(s.x.shape[0]) if rows is None else
-              torch.randperm(s.x.shape[0], generator=generator)[:rows].sort().values).to(device) for s in chosen]
-    bias = None
-    if position_bias is not None:  # each sequence's sampled query rows of the bias, padded like the rows
-        width = max(s.y.shape[0] for s in chosen)
-        bias = torch.zeros(len(chosen), position_bias.shape[0], max(len(p) for p in picks), width, device=device)
-        for index, p in enumerate(picks):
-            bias[index, :, : len(p)] = position_bias[:, p, :width]
-    x, x_mask = _pad([s.x[p] for s, p in zip(chosen, picks)])
-    y, y_mask = _pad([s.y for s in chosen])
-    q, _ = _pad([s.queries[p].flatten(1) for s, p in zip(chosen, picks)])
-    k, _ = _pad([s.keys.flatten(1) for s in chosen])
-    heads = chosen[0].queries.shape[1]
-    q = q.view(*q.shape[:2], heads, -1).transpose(1, 2)
-    k = k.view(*k.shape[:2], heads, -1).transpose(1, 2)
-    key_mask = y_mask[:, None, None, :]
-    if causal:
-        positions, _ = _pad([p[:, None].float() for p in picks])  # (B, rows, 1)
-        key_mask = key_mask & (torch.arange(y.shape[1], device=device)[None, None, :] <= positions)[:, None]
-    return _Batch.of(x, y, key_mask, x_mask, torch.matmul(q, k.transpose(-1, -2)) * scaling, heads, bias,
-                     head_weights)
+def _projected(inputs: torch.Tensor, weight: torch.Tensor, bias, heads: int) -> torch.Tensor:
+    """(S, n, H, d): inputs @ weight.T + bias, computed in float32 a few sequences at a time and stored in the
+    inputs' dtype (float16 samples: half the memory), or float32 where that dtype cannot hold the result."""
+    out = torch.empty(*inputs.shape[:2], weight.shape[0], dtype=inputs.dtype, device=inputs.device)
+    for start in range(0, inputs.shape[0], 32):
+        chunk = inputs[start : start + 32].float() @ weight.T + bias
+        if out.dtype != torch.float32 and not torch.isfinite(chunk.to(out.dtype)).all():
+            out = out.float()
+        out[start : start + 32] = chunk
+    return out.view(*out.shape[:2], heads, -1)
 
 
-@torch.no_grad()
+class _Stacked:
+    """Sequences stacked once, padded to the longest, with the original layer's per-head queries and keys on
+    them: a minibatch gathers its sequences and query rows by index (padding a few sequences anew at every step
+    was a fifth of a MiniLM step). Inputs stay in the samples' precision (float16), and the queries and keys are
+    stored so too: half the memory of float32 copies, with the targets' scores computed in float32."""
+
+    @torch.no_grad()
+    def __init__(self, queries, keys, query_weight, query_bias, key_weight, heads: int, device):
+        self.x = _stack(queries, device)
+        same = all(y is x for x, y in zip(queries, keys))  # self-attention samples: one tensor for both sides
+        self.y = self.x if same else _stack(keys, device)
+        query_weight, key_weight = (w.to(device, torch.float32) for w in (query_weight, key_weight))
+        bias = query_bias.to(device, torch.float32) if query_bias is not None else 0.0
+        self.queries = _projected(self.x, query_weight, bias, heads)
+        self.keys = _projected(self.y, key_weight, 0.0, heads)
+        self.query_lengths = torch.tensor([q.shape[0] for q in queries], device=device)
+        self.key_lengths = torch.tensor([k.shape[0] for k in keys], device=device)
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    @torch.no_grad()
+    def batch(self, chosen: torch.Tensor, rows: int | None, scaling: float, causal: bool, generator,
+              position_bias=None, head_weights=None, entropy: bool = True) -> _Batch:
+        """Sequences `chosen` with `rows` query positions of each drawn without replacement (None: all of them),
+        in order: the unbiased minibatch of the attention KL. `position_bias` (H, N, N): a relative position bias
+        the layer adds to its scores; it rides in the mask, which both the original and the collaborative scores
+        receive. `head_weights` (H,): each head's KL counts that many times (calibrated.head_weights)."""
+        device = self.x.device
+        chosen = chosen.to(device)
+        lengths, key_lengths = self.query_lengths[chosen], self.key_lengths[chosen]
+        longest, width = int(lengths.max()), int(key_lengths.max())
+        count = longest if rows is None else min(rows, longest)
+        # drawn on the host generator, so a seed picks the same rows on every device; positions past a sequence's
+        # end are drawn last, so after sorting a short sequence's real rows come first
+        draw = torch.rand(len(chosen), longest, generator=generator).to(device)
+        draw[torch.arange(longest, device=device) >= lengths[:, None]] = 2.0
+        picks = draw.argsort(dim=1)[:, :count].sort(dim=1).values  # (B, rows)
+        real = torch.arange(count, device=device) < lengths.clamp(max=count)[:, None]  # (B, rows)
+        sequences = chosen[:, None]
+        q = self.queries[sequences, picks].float().transpose(1, 2)  # (B, H, rows, d)
+        k = self.keys[chosen, :width].float().permute(0, 2, 3, 1)  # (B, H, d, m)
+        key_mask = (torch.arange(width, device=device) < key_lengths[:, None])[:, None, None, :]
+        if causal:
+            key_mask = key_mask & (torch.arange(width, device=device) <= picks[:, :, None])[:, None]
+        mask = _mask_to_add(key_mask)
+        if position_bias is not None:
+            mask = mask + position_bias[:, picks, :width].transpose(0, 1)
+        heads = q.shape[1]
+        weights = real[:, None, :, None].float()
+        if head_weights is not None:
+            weights = weights * head_weights.to(weights)[None, :, None, None]
+        return _Batch.of(self.x[sequences, picks].float(), self.y[chosen, :width].float(), mask, weights,
+                         torch.matmul(q, k) * scaling, int(real.sum()) * heads, entropy)
+
+
 def _original_attention(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal,
                         position_bias=None, rows: int | None = None, seed: int = 0, device=HOST,
-                        head_weights=None) -> list[_Batch]:
-    """The original attention of every sequence, in batches of 32 of similar length (padding costs little in an
-    n^2 score matrix): at all query positions, or at `rows` of them per sequence, drawn once with `seed`."""
-    pool = _sequences(queries, keys, query_weight, query_bias, key_weight, num_heads, device)
-    order = sorted(range(len(pool)), key=lambda i: (pool[i].x.shape[0], pool[i].y.shape[0]))
+                        head_weights=None, sequences: int = 32) -> list[_Batch]:
+    """The original attention of every sequence, in batches of `sequences` of similar length: at all query
+    positions, or at `rows` of them per sequence, drawn once with `seed`."""
+    stacked = _Stacked(queries, keys, query_weight, query_bias, key_weight, num_heads, device)
+    order = sorted(range(len(stacked)), key=lambda i: (queries[i].shape[0], keys[i].shape[0]))
     generator = torch.Generator().manual_seed(seed)
-    return [_sampled_batch([pool[i] for i in order[start:start + 32]], rows, scaling, causal, generator,
-                           position_bias, head_weights) for start in range(0, len(order), 32)]
+    if position_bias is not None:
+        position_bias = position_bias.to(device)
+    return [stacked.batch(torch.tensor(order[start:start + sequences]), rows, scaling, causal, generator,
+                          position_bias, head_weights) for start in range(0, len(order), sequences)]
 
 
 class AttentionTarget:
@@ -194,7 +201,8 @@ class AttentionTarget:
         # the checks cost half as much on 128-token texts, and the mean KL they estimate is the same
         self.check_batches = _original_attention(queries[check], keys[check], query_weight, query_bias, key_weight,
                                                  num_heads, scaling, causal, position_bias, rows=HELD_OUT_ROWS,
-                                                 device=self.device, head_weights=head_weights)
+                                                 device=self.device, head_weights=head_weights,
+                                                 sequences=CHECK_SEQUENCES)
         self.check_rows = sum(b.rows for b in self.check_batches)
         self.scaling, self.causal, self.position_bias = scaling, causal, position_bias
         self.head_weights = head_weights
@@ -202,9 +210,9 @@ class AttentionTarget:
         # fit (held_out_kl) needs only the held-out slice. The closure must not hold `self`: a cycle would keep
         # every layer's held-out attention alive until the cyclic collector ran (measured: a calibrated
         # 24-layer GPT-2-medium-shaped run peaked at 468 MB above its baseline instead of 245 MB)
-        self._train = lambda: _sequences(queries[train], keys[train], query_weight, query_bias, key_weight, num_heads,
-                                         device)
-        self.train: list[_Sequence] | None = None
+        self._train = lambda: _Stacked(queries[train], keys[train], query_weight, query_bias, key_weight, num_heads,
+                                       device)
+        self.train: _Stacked | None = None
         self.products = training_products(device)  # the steps' products; held-out checks stay in float32
 
     @torch.no_grad()
@@ -218,9 +226,10 @@ class AttentionTarget:
     def minibatch_kl(self, parameters, generator, sequences: int, rows: int) -> torch.Tensor:
         if self.train is None:
             self.train = self._train()
-        chosen = [self.train[i] for i in torch.randperm(len(self.train), generator=generator)[:sequences]]
-        batch = _sampled_batch(chosen, rows, self.scaling, self.causal, generator, self.position_bias,
-                               self.head_weights)
+        """The KL of a fresh minibatch, less its constant part: what a step's gradient needs."""
+        chosen = torch.randperm(len(self.train), generator=generator)[:sequences]
+        batch = self.train.batch(chosen, rows, self.scaling, self.causal, generator, self.position_bias,
+                                 self.head_weights, entropy=False)
         return _collaborative_kl(parameters, batch, self.scaling, self.products)
 
 
