@@ -191,11 +191,12 @@ def release_unreachable() -> None:
 
 
 _HEAP_USERS = 0  # callers inside reused_heap now: the heap stays until the last one is done
+_TOP_USERS = 0  # those of them that keep the heap's top (keep_top)
 _HEAP_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def reused_heap():
+def reused_heap(keep_top: bool = False):
     """Within: blocks up to 32 MiB come from glibc's heap and are reused, as glibc does by default.
 
     Refinement allocates the same few-MB tensors at every Adam step; mmapped, each one is mapped, zeroed page
@@ -204,30 +205,36 @@ def reused_heap():
     handed back (malloc_trim) and the 1 MiB threshold returns for the block-at-a-time passes. On the way in too:
     the heap then grows from what is live, not on top of what the work before it freed (a layer's PCA fit left
     80-160 MB of freed small blocks under each refinement of a 12-layer GPT-2-medium-shaped checkpoint). Nested
-    or threaded users share it: the threshold returns when the last of them is done. Not used around forward
-    passes: there the heap grew by hundreds of MB (benchmarks.md, "What the fixed 1 MiB mmap threshold costs").
+    or threaded users share it: the threshold returns when the last of them is done. Forward passes use it a
+    block at a time, with their growth bounded (BoundedHeap).
 
-    The heap's top is kept too (trim threshold 64 MiB, as glibc pairs with its own moving threshold): a threshold
-    set by hand leaves glibc's 128 KiB trim threshold fixed, so every step's freed tensors were handed back at
-    the top and faulted in again at the next, page by page. A MiniLM refinement step took 16-19 ms so, 10.5 ms
-    with the top kept. What stays is at most the step's own working set, which the peak already holds."""
-    global _HEAP_USERS
+    `keep_top`, for loops of steps (refinement, distillation): the heap's top is kept too (trim threshold 64
+    MiB, as glibc pairs with its own moving threshold). A threshold set by hand leaves glibc's 128 KiB trim
+    threshold fixed, so every step's freed tensors were handed back at the top and faulted in again at the
+    next, page by page: 4,600 faults and 16-19 ms a MiniLM refinement step, none and 10 ms with the top kept.
+    What stays is at most a step's own working set, which the peak already holds. Forward passes do not keep
+    it: the fidelity check of a 12-layer GPT-2-medium-shaped checkpoint then peaked 40 MB higher, no faster."""
+    global _HEAP_USERS, _TOP_USERS
     libc = _libc()
     if libc is None:
         yield
         return
     with _HEAP_LOCK:
         _HEAP_USERS += 1
+        _TOP_USERS += keep_top
         if _HEAP_USERS == 1:
             libc.malloc_trim(0)
             libc.mallopt(M_MMAP_THRESHOLD, HEAP_THRESHOLD)
+        if keep_top and _TOP_USERS == 1:
             libc.mallopt(M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)
     try:
         yield
     finally:
         with _HEAP_LOCK:
             _HEAP_USERS -= 1
-            if _HEAP_USERS == 0:
+            _TOP_USERS -= keep_top
+            if keep_top and _TOP_USERS == 0:
                 libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+            if _HEAP_USERS == 0:
                 libc.malloc_trim(0)
                 libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)

@@ -45,14 +45,20 @@ def test_an_error_inside_still_gives_the_threshold_back(monkeypatch):
         assert libc.calls[-1] == ("mallopt", cpu.HEAP_THRESHOLD)
 
 
-def test_the_heap_keeps_its_top_while_reused_and_hands_it_back_after(monkeypatch):
+def test_loops_of_steps_keep_the_heaps_top_and_forward_passes_do_not(monkeypatch):
     """A threshold set by hand fixes glibc's trim threshold at 128 KiB: every step's freed tensors would go back at
-    the heap's top and be faulted in again. Inside, the top stays (up to 64 MiB); outside, the default returns."""
+    the heap's top and be faulted in again. A loop of steps keeps the top (up to 64 MiB) while it runs, even
+    with a forward pass's user sharing the heap; a forward pass alone leaves the default."""
     libc = RecordingLibc()
     monkeypatch.setattr(cpu, "_libc", lambda: libc)
     with cpu.reused_heap():
+        assert libc.trim_thresholds == []
+    with cpu.reused_heap(keep_top=True):
         assert libc.trim_thresholds == [("mallopt", cpu.HEAP_TRIM_THRESHOLD)]
-    assert libc.trim_thresholds[-1] == ("mallopt", cpu.TRIM_THRESHOLD)
+        with cpu.reused_heap():  # a pass inside a refinement's heap: the top stays
+            pass
+        assert libc.trim_thresholds == [("mallopt", cpu.HEAP_TRIM_THRESHOLD)]
+    assert libc.trim_thresholds == [("mallopt", cpu.HEAP_TRIM_THRESHOLD), ("mallopt", cpu.TRIM_THRESHOLD)]
     assert cpu.HEAP_TRIM_THRESHOLD == 64 << 20 and cpu.TRIM_THRESHOLD == 128 << 10
 
 

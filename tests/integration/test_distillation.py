@@ -110,10 +110,12 @@ def test_an_encoder_is_distilled_on_its_sentence_embeddings(tiny_llama, tmp_path
     _, texts = tiny_llama
     save_tiny(tmp_path / "encoder")
     encoder = AutoModel.from_pretrained(tmp_path / "encoder")
-    with torch.no_grad():  # random init scores near zero (uniform attention, nothing to lose): make them matter
-        for layer in encoder.encoder.layer:
+    with torch.no_grad():  # random init scores near zero (uniform attention, nothing to lose): make them matter,
+        for layer in encoder.encoder.layer:  # and the attention's output beside the fixture's large biases
             layer.attention.self.query.weight.mul_(8)
             layer.attention.self.key.weight.mul_(8)
+            layer.attention.self.value.weight.mul_(8)
+            layer.attention.output.dense.weight.mul_(4)
     encoder.save_pretrained(tmp_path / "encoder")
     fitted, distilled = tmp_path / "fitted", tmp_path / "distilled"
     settings = dict(rank=4, calibration=texts, calibration_samples=32, refine_steps=10)

@@ -56,7 +56,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
             projections, layer_fit, bias = _fit(source, layer, options, rank, metric, progress, labels)
         refinement = None
         if steps.get(layer.prefix) and rank < layer.shape.key_dim:
-            with reused_heap():
+            with reused_heap(keep_top=True):
                 refinement = _refine(projections, layer, layer_fit, bias, metric, steps, labels, options,
                                      progress)
             layer_fit.factors, bias = refinement.pop("factors"), refinement.pop("content_bias")

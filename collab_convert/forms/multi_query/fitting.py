@@ -72,7 +72,7 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, width: int, profile: 
     if record.samples and options.refine_steps and not full:
         from ...decompose.shared_key_refinement import refine_shared_key
 
-        with reused_heap():  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
+        with reused_heap(keep_top=True):  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
             refined = refine_shared_key(record.samples, factors, geometry, record.setting, steps=options.refine_steps,
                                         seed=options.seed, device=options.device, values=latent)
         factors, latent = refined.factors, refined.values

@@ -143,7 +143,7 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, stat
     if calibration is not None and calibration.samples and ranks != KeyRanks.full(geometry_of(layer)):
         from ...decompose.shared_key_refinement import refine_shared_key
 
-        with reused_heap():  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
+        with reused_heap(keep_top=True):  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
             refined = refine_shared_key(calibration.samples, factors, geometry_of(layer), calibration.setting,
                                         steps=options.refine_steps, seed=options.seed, device=options.device)
         factors = refined.factors
