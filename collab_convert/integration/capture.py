@@ -56,6 +56,7 @@ class Moments:
     query_samples: list = field(default_factory=list)
     key_samples: list = field(default_factory=list)
     _last_query: list | None = None  # the inputs the query side saw last, to share them with the key side
+    _last_query_outer: torch.Tensor | None = None  # their shifted rows' Gram matrix (float64)
 
     def add_query(self, sequences: list[torch.Tensor]) -> None:
         self._last_query = sequences
@@ -68,7 +69,8 @@ class Moments:
             self.query_outer = rows.new_zeros(rows.shape[1], rows.shape[1], dtype=torch.float64)
         rows = rows - self.query_shift
         self.query_sum += rows.sum(0).double()
-        self.query_outer += (rows.T @ rows).double()
+        self._last_query_outer = (rows.T @ rows).double()
+        self.query_outer += self._last_query_outer
         self.query_count += rows.shape[0]
 
     def add_key(self, sequences: list[torch.Tensor]) -> None:
@@ -79,10 +81,23 @@ class Moments:
             self.key_samples.append(self.query_samples[len(self.key_samples)] if same and index < len(
                 self.query_samples) else host_copy(y, torch.float16))
         # each sequence centred on its own mean: a shift shared by every key of a sequence is lost in softmax
-        centred = torch.cat([y.float() - y.float().mean(0, keepdim=True) for y in sequences])
-        outer = (centred.T @ centred).double()
+        if same and self._last_query_outer is not None:
+            outer = self._centred_query_outer(sequences)
+        else:
+            centred = torch.cat([y.float() - y.float().mean(0, keepdim=True) for y in sequences])
+            outer = (centred.T @ centred).double()
         self.key_outer = outer if self.key_outer is None else self.key_outer + outer
         self.key_count += sum(max(y.shape[0] - 1, 0) for y in sequences)
+
+    def _centred_query_outer(self, sequences: list[torch.Tensor]) -> torch.Tensor:
+        """Self-attention: the key side's per-sequence-centred Gram matrix from the query side's, with no second
+        GEMM over the rows (a sixth of a MiniLM layer's forward). Centring each sequence s of n_s rows z (any
+        shift) takes n_s mean_s mean_s^T off its sum of z z^T; the ridge of the calibrated fit (1e-3 of the mean
+        variance) is far above the float32 Gram's rounding that this subtraction can expose."""
+        means = torch.stack([y.float().mean(0) for y in sequences]) - self.query_shift
+        counts = torch.tensor([y.shape[0] for y in sequences], dtype=torch.float64, device=means.device)
+        means = means.double()
+        return self._last_query_outer - (means.T * counts) @ means
 
     def result(self) -> LayerCalibration:
         mean = self.query_sum / self.query_count
