@@ -88,47 +88,44 @@ def _collaborative_kl(parameters, batch: _Batch, scaling: float, products: torch
     return (batch.entropy - (batch.target_p * log_q).sum()) / batch.rows
 
 
-def _stack(sequences: list[torch.Tensor], device) -> torch.Tensor:
-    """(S, longest, D) on `device` in the sequences' own dtype, zeros past each one's end."""
-    stacked = torch.zeros(len(sequences), max(s.shape[0] for s in sequences), sequences[0].shape[1],
-                          dtype=sequences[0].dtype, device=device)
-    for row, sequence in enumerate(sequences):
-        stacked[row, : sequence.shape[0]] = sequence.to(device)
-    return stacked
+def _packed(sequences: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(every row one after another (T, D) on `device` in the sequences' own dtype, each one's first row, lengths):
+    no padding, so a mix of short and long sequences costs what its rows do."""
+    lengths = torch.tensor([s.shape[0] for s in sequences], device=device)
+    return torch.cat([s.to(device) for s in sequences]), torch.cumsum(lengths, 0) - lengths, lengths
 
 
 def _projected(inputs: torch.Tensor, weight: torch.Tensor, bias, heads: int) -> torch.Tensor:
-    """(S, n, H, d): inputs @ weight.T + bias, computed in float32 a few sequences at a time and stored in the
+    """(T, H, d): inputs @ weight.T + bias, computed in float32 a few thousand rows at a time and stored in the
     inputs' dtype (float16 samples: half the memory), or float32 where that dtype cannot hold the result."""
-    out = torch.empty(*inputs.shape[:2], weight.shape[0], dtype=inputs.dtype, device=inputs.device)
-    for start in range(0, inputs.shape[0], 32):
-        chunk = inputs[start : start + 32].float() @ weight.T + bias
+    out = torch.empty(inputs.shape[0], weight.shape[0], dtype=inputs.dtype, device=inputs.device)
+    for start in range(0, inputs.shape[0], 4096):
+        chunk = inputs[start : start + 4096].float() @ weight.T + bias
         if out.dtype != torch.float32 and not torch.isfinite(chunk.to(out.dtype)).all():
             out = out.float()
-        out[start : start + 32] = chunk
-    return out.view(*out.shape[:2], heads, -1)
+        out[start : start + 4096] = chunk
+    return out.view(out.shape[0], heads, -1)
 
 
 class _Stacked:
-    """Sequences stacked once, padded to the longest, with the original layer's per-head queries and keys on
-    them: a minibatch gathers its sequences and query rows by index (padding a few sequences anew at every step
-    was a fifth of a MiniLM step). Inputs stay in the samples' precision (float16), and the queries and keys are
-    stored so too: half the memory of float32 copies, with the targets' scores computed in float32."""
+    """Sequences packed once, with the original layer's per-head queries and keys on them: a minibatch gathers
+    its sequences' query rows and keys by index (padding a few sequences anew at every step was a fifth of a
+    MiniLM step). Inputs stay in the samples' precision (float16), and the queries and keys are stored so too:
+    half the memory of float32 copies, with the targets' scores computed in float32."""
 
     @torch.no_grad()
     def __init__(self, queries, keys, query_weight, query_bias, key_weight, heads: int, device):
-        self.x = _stack(queries, device)
+        self.x, self.query_starts, self.query_lengths = _packed(queries, device)
         same = all(y is x for x, y in zip(queries, keys))  # self-attention samples: one tensor for both sides
-        self.y = self.x if same else _stack(keys, device)
+        self.y, self.key_starts, self.key_lengths = (self.x, self.query_starts, self.query_lengths) if same \
+            else _packed(keys, device)
         query_weight, key_weight = (w.to(device, torch.float32) for w in (query_weight, key_weight))
         bias = query_bias.to(device, torch.float32) if query_bias is not None else 0.0
         self.queries = _projected(self.x, query_weight, bias, heads)
         self.keys = _projected(self.y, key_weight, 0.0, heads)
-        self.query_lengths = torch.tensor([q.shape[0] for q in queries], device=device)
-        self.key_lengths = torch.tensor([k.shape[0] for k in keys], device=device)
 
     def __len__(self) -> int:
-        return self.x.shape[0]
+        return len(self.query_lengths)
 
     @torch.no_grad()
     def batch(self, chosen: torch.Tensor, rows: int | None, scaling: float, causal: bool, generator,
@@ -148,9 +145,12 @@ class _Stacked:
         draw[torch.arange(longest, device=device) >= lengths[:, None]] = 2.0
         picks = draw.argsort(dim=1)[:, :count].sort(dim=1).values  # (B, rows)
         real = torch.arange(count, device=device) < lengths.clamp(max=count)[:, None]  # (B, rows)
-        sequences = chosen[:, None]
-        q = self.queries[sequences, picks].float().transpose(1, 2)  # (B, H, rows, d)
-        k = self.keys[chosen, :width].float().permute(0, 2, 3, 1)  # (B, H, d, m)
+        # rows past a sequence's end read whatever follows it (kept in bounds): masked out below
+        rows_at = (self.query_starts[chosen][:, None] + picks).clamp(max=self.x.shape[0] - 1)  # (B, rows)
+        keys_at = (self.key_starts[chosen][:, None] + torch.arange(width, device=device)).clamp(
+            max=self.y.shape[0] - 1)  # (B, m)
+        q = self.queries[rows_at].float().transpose(1, 2)  # (B, H, rows, d)
+        k = self.keys[keys_at].float().permute(0, 2, 3, 1)  # (B, H, d, m)
         key_mask = (torch.arange(width, device=device) < key_lengths[:, None])[:, None, None, :]
         if causal:
             key_mask = key_mask & (torch.arange(width, device=device) <= picks[:, :, None])[:, None]
@@ -161,7 +161,7 @@ class _Stacked:
         weights = real[:, None, :, None].float()
         if head_weights is not None:
             weights = weights * head_weights.to(weights)[None, :, None, None]
-        return _Batch.of(self.x[sequences, picks].float(), self.y[chosen, :width].float(), mask, weights,
+        return _Batch.of(self.x[rows_at].float(), self.y[keys_at].float(), mask, weights,
                          torch.matmul(q, k) * scaling, int(real.sum()) * heads, entropy)
 
 

@@ -69,12 +69,20 @@ def test_a_training_minibatch_leaves_out_only_the_kls_constant_part():
     assert torch.equal(full.target_p, lean.target_p) and lean.entropy == 0.0 and full.entropy < 0
 
 
+def test_sequences_are_packed_without_padding():
+    """A mix of short and long calibration texts costs what its rows do, not the longest's length each."""
+    wq, bq, wk, sequences = layer_and_sequences()
+    stacked = _Stacked(sequences, sequences, wq, bq, wk, HEADS, "cpu")
+    assert stacked.x.shape[0] == stacked.queries.shape[0] == sum(LENGTHS) and stacked.y is stacked.x
+
+
 def test_queries_that_half_precision_cannot_hold_are_stored_in_float32():
-    inputs = torch.ones(40, 3, 8, dtype=torch.float16)
-    small = _projected(inputs, torch.full((4, 8), 0.5), 0.0, 2)
-    large = _projected(inputs, torch.full((4, 8), 1e4), 0.0, 2)  # 8e4: past float16's 65504
-    assert small.dtype == torch.float16 and large.dtype == torch.float32
-    assert torch.isfinite(large).all() and float(large[0, 0, 0, 0]) == 8e4
+    inputs = torch.ones(5000, 8, dtype=torch.float16)  # two chunks of rows
+    inputs[-1] *= 10
+    small = _projected(inputs[:-1], torch.full((4, 8), 1e3), 0.0, 2)  # 8,000 in every row: float16 holds it
+    large = _projected(inputs, torch.full((4, 8), 1e3), 0.0, 2)  # the last row, in the second chunk: 80,000
+    assert small.dtype == torch.float16 and large.dtype == torch.float32 and large.shape == (5000, 2, 2)
+    assert float(large[0, 0, 0]) == 8e3 and float(large[-1, 1, 1]) == 8e4  # the first chunk kept through the switch
 
 
 def test_held_out_checks_in_small_batches_judge_as_one_batch_would():
