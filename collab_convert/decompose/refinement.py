@@ -224,9 +224,9 @@ class AttentionTarget:
                      / self.check_rows)
 
     def minibatch_kl(self, parameters, generator, sequences: int, rows: int) -> torch.Tensor:
+        """The KL of a fresh minibatch, less its constant part: what a step's gradient needs."""
         if self.train is None:
             self.train = self._train()
-        """The KL of a fresh minibatch, less its constant part: what a step's gradient needs."""
         chosen = torch.randperm(len(self.train), generator=generator)[:sequences]
         batch = self.train.batch(chosen, rows, self.scaling, self.causal, generator, self.position_bias,
                                  self.head_weights, entropy=False)

@@ -87,6 +87,7 @@ class Moments:
             centred = torch.cat([y.float() - y.float().mean(0, keepdim=True) for y in sequences])
             outer = (centred.T @ centred).double()
         self.key_outer = outer if self.key_outer is None else self.key_outer + outer
+        self._last_query_outer = None  # a D x D float64 per layer: held only from one hook to the next
         self.key_count += sum(max(y.shape[0] - 1, 0) for y in sequences)
 
     def _centred_query_outer(self, sequences: list[torch.Tensor]) -> torch.Tensor:
