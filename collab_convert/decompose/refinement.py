@@ -107,7 +107,13 @@ def _projected(inputs: torch.Tensor, weight: torch.Tensor, bias, heads: int) -> 
     return out.view(out.shape[0], heads, -1)
 
 
-class _Stacked:
+def _rows(packed: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """packed[at] for a (B, n) index: by index_select on the flattened index, as the shared-key refinement gathers
+    (4-9x faster than advanced indexing on a CPU)."""
+    return packed.index_select(0, at.flatten()).view(*at.shape, *packed.shape[1:])
+
+
+class _Packed:
     """Sequences packed once, with the original layer's per-head queries and keys on them: a minibatch gathers
     its sequences' query rows and keys by index (padding a few sequences anew at every step was a fifth of a
     MiniLM step). Inputs stay in the samples' precision (float16), and the queries and keys are stored so too:
@@ -149,8 +155,8 @@ class _Stacked:
         rows_at = (self.query_starts[chosen][:, None] + picks).clamp(max=self.x.shape[0] - 1)  # (B, rows)
         keys_at = (self.key_starts[chosen][:, None] + torch.arange(width, device=device)).clamp(
             max=self.y.shape[0] - 1)  # (B, m)
-        q = self.queries[rows_at].float().transpose(1, 2)  # (B, H, rows, d)
-        k = self.keys[keys_at].float().permute(0, 2, 3, 1)  # (B, H, d, m)
+        q = _rows(self.queries, rows_at).float().transpose(1, 2)  # (B, H, rows, d)
+        k = _rows(self.keys, keys_at).float().permute(0, 2, 3, 1)  # (B, H, d, m)
         key_mask = (torch.arange(width, device=device) < key_lengths[:, None])[:, None, None, :]
         if causal:
             key_mask = key_mask & (torch.arange(width, device=device) <= picks[:, :, None])[:, None]
@@ -161,7 +167,7 @@ class _Stacked:
         weights = real[:, None, :, None].float()
         if head_weights is not None:
             weights = weights * head_weights.to(weights)[None, :, None, None]
-        return _Batch.of(self.x[rows_at].float(), self.y[keys_at].float(), mask, weights,
+        return _Batch.of(_rows(self.x, rows_at).float(), _rows(self.y, keys_at).float(), mask, weights,
                          torch.matmul(q, k) * scaling, int(real.sum()) * heads, entropy)
 
 
@@ -170,12 +176,12 @@ def _original_attention(queries, keys, query_weight, query_bias, key_weight, num
                         head_weights=None, sequences: int = 32) -> list[_Batch]:
     """The original attention of every sequence, in batches of `sequences` of similar length: at all query
     positions, or at `rows` of them per sequence, drawn once with `seed`."""
-    stacked = _Stacked(queries, keys, query_weight, query_bias, key_weight, num_heads, device)
-    order = sorted(range(len(stacked)), key=lambda i: (queries[i].shape[0], keys[i].shape[0]))
+    packed = _Packed(queries, keys, query_weight, query_bias, key_weight, num_heads, device)
+    order = sorted(range(len(packed)), key=lambda i: (queries[i].shape[0], keys[i].shape[0]))
     generator = torch.Generator().manual_seed(seed)
     if position_bias is not None:
         position_bias = position_bias.to(device)
-    return [stacked.batch(torch.tensor(order[start:start + sequences]), rows, scaling, causal, generator,
+    return [packed.batch(torch.tensor(order[start:start + sequences]), rows, scaling, causal, generator,
                           position_bias, head_weights) for start in range(0, len(order), sequences)]
 
 
@@ -210,9 +216,9 @@ class AttentionTarget:
         # fit (held_out_kl) needs only the held-out slice. The closure must not hold `self`: a cycle would keep
         # every layer's held-out attention alive until the cyclic collector ran (measured: a calibrated
         # 24-layer GPT-2-medium-shaped run peaked at 468 MB above its baseline instead of 245 MB)
-        self._train = lambda: _Stacked(queries[train], keys[train], query_weight, query_bias, key_weight, num_heads,
+        self._train = lambda: _Packed(queries[train], keys[train], query_weight, query_bias, key_weight, num_heads,
                                        device)
-        self.train: _Stacked | None = None
+        self.train: _Packed | None = None
         self.products = training_products(device)  # the steps' products; held-out checks stay in float32
 
     @torch.no_grad()

@@ -5,7 +5,7 @@ and the stacked queries and keys must hold what half precision cannot."""
 import pytest
 import torch
 
-from collab_convert.decompose.refinement import AttentionTarget, _projected, _Stacked
+from collab_convert.decompose.refinement import AttentionTarget, _projected, _Packed
 
 HEADS, D_IN, HEAD_DIM, SCALING = 3, 12, 4, 0.5
 LENGTHS = [9, 4, 12, 7, 12, 5]
@@ -43,7 +43,7 @@ def drawn_positions(batch_x, sequence) -> list[int]:
 def test_a_gathered_minibatch_is_each_sequences_own_attention_at_the_drawn_rows(causal, biased):
     wq, bq, wk, sequences = layer_and_sequences()
     bias = torch.randn(HEADS, 12, 12, generator=torch.Generator().manual_seed(1)) if biased else None
-    stacked = _Stacked(sequences, sequences, wq, bq, wk, HEADS, "cpu")
+    stacked = _Packed(sequences, sequences, wq, bq, wk, HEADS, "cpu")
     chosen = torch.tensor([1, 2, 3, 5])  # lengths 4, 12, 7, 5: two shorter than the rows drawn
     batch = stacked.batch(chosen, 6, SCALING, causal, torch.Generator().manual_seed(2), bias)
     assert batch.rows == HEADS * (4 + 6 + 6 + 5)
@@ -62,7 +62,7 @@ def test_a_gathered_minibatch_is_each_sequences_own_attention_at_the_drawn_rows(
 def test_a_training_minibatch_leaves_out_only_the_kls_constant_part():
     """Steps need the gradient alone: the entropy of the original attention is not computed for them."""
     wq, bq, wk, sequences = layer_and_sequences()
-    stacked = _Stacked(sequences, sequences, wq, bq, wk, HEADS, "cpu")
+    stacked = _Packed(sequences, sequences, wq, bq, wk, HEADS, "cpu")
     chosen = torch.tensor([0, 2, 4])
     full = stacked.batch(chosen, 5, SCALING, False, torch.Generator().manual_seed(0))
     lean = stacked.batch(chosen, 5, SCALING, False, torch.Generator().manual_seed(0), entropy=False)
@@ -72,7 +72,7 @@ def test_a_training_minibatch_leaves_out_only_the_kls_constant_part():
 def test_sequences_are_packed_without_padding():
     """A mix of short and long calibration texts costs what its rows do, not the longest's length each."""
     wq, bq, wk, sequences = layer_and_sequences()
-    stacked = _Stacked(sequences, sequences, wq, bq, wk, HEADS, "cpu")
+    stacked = _Packed(sequences, sequences, wq, bq, wk, HEADS, "cpu")
     assert stacked.x.shape[0] == stacked.queries.shape[0] == sum(LENGTHS) and stacked.y is stacked.x
 
 
