@@ -39,19 +39,28 @@ settings = json.loads(sys.argv[5])
 collab_convert.compress(sys.argv[4], collab_convert.CompressOptions(
     rank=int(sys.argv[3]), output=Path(sys.argv[2] + "-warmup"), max_shard_size="100MB", **settings))
 
-def rss():
+def resident():  # (VmRSS, its anonymous part, its file-backed part) in bytes
+    found = {}
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-baseline = rss()
+        if line.startswith(("VmRSS:", "RssAnon:", "RssFile:")):
+            found[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return found["VmRSS"], found["RssAnon"], found["RssFile"]
+def rss():
+    return resident()[0]
+baseline_parts = resident()
+baseline = baseline_parts[0]
 peak = [baseline]
 stage, stage_peaks = ["start"], {}  # the peak within each progress stage, to say which one sets the peak
+stage_parts = {}  # each stage's peaks of the anonymous and the file-backed parts, apart
 running = [True]
 def sample():
     while running[0]:
-        now = rss()
+        now, anon, mapped = resident()
         peak[0] = max(peak[0], now)
         stage_peaks[stage[0]] = max(stage_peaks.get(stage[0], 0), now - baseline)
+        parts = stage_parts.setdefault(stage[0], [0, 0])
+        parts[0] = max(parts[0], anon - baseline_parts[1])
+        parts[1] = max(parts[1], mapped - baseline_parts[2])
         time.sleep(0.002)
 def progress(label, done, total):
     stage[0] = stage_of(label)  # the stage names report.json's seconds use
@@ -63,7 +72,7 @@ seconds = time.perf_counter() - started
 running[0] = False
 peak[0] = max(peak[0], rss())
 print(json.dumps({"baseline": baseline, "peak": peak[0], "seconds": seconds, "stages": result.stage_seconds,
-                  "stage_peaks": stage_peaks, "files": [f for f in result.files if f.endswith(".safetensors")]}))
+                  "stage_peaks": stage_peaks, "stage_parts": stage_parts, "files": [f for f in result.files if f.endswith(".safetensors")]}))
 """
 
 
@@ -103,6 +112,9 @@ def measure(source: Path, size: int, layers: int, rank: int, refine: int, warmup
     print("        seconds per stage: " + ", ".join(f"{k} {v:.1f}" for k, v in measured["stages"].items()))
     print("        peak above baseline per stage: "
           + ", ".join(f"{k} {v / 1e6:.0f}MB" for k, v in measured["stage_peaks"].items()), flush=True)
+    print("        of which anonymous / file-backed (each part's own peak): "
+          + ", ".join(f"{k} {a / 1e6:.0f} / {f / 1e6:.0f}MB" for k, (a, f) in measured["stage_parts"].items()),
+          flush=True)
     import shutil
 
     shutil.rmtree(output, ignore_errors=True)
