@@ -28,8 +28,8 @@ class SharedKeyCalibration:
     the layer turns scores into attention."""
 
     statistics: object  # decompose.shared_key.KeyStatistics, means per token
-    samples: list  # decompose.shared_key_refinement.SharedKeySample, float16 to halve their memory
-    setting: object | None  # decompose.shared_key_refinement.AttentionSetting
+    samples: list  # decompose.shared_key_batches.SharedKeySample, float16 to halve their memory
+    setting: object | None  # decompose.shared_key_batches.AttentionSetting
     value_moment: torch.Tensor | None = None  # (G d, G d): E[v v^T] per token, where asked for (value_latent.py)
 
 
@@ -128,7 +128,7 @@ class SharedKeyObserver:
 
     def hook(self, prefix: str):
         from ..decompose.shared_key import statistics_of
-        from ..decompose.shared_key_refinement import AttentionSetting, SharedKeySample
+        from ..decompose.shared_key_batches import AttentionSetting, SharedKeySample
         from ..decompose.value_latent import value_moment
 
         geometry, heads, causal = self.layers[prefix]

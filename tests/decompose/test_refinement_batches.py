@@ -6,7 +6,7 @@ import torch
 
 from collab_convert.decompose.rotary_ops import rotate_half_dims
 from collab_convert.decompose.shared_key import HeadGeometry, KeyRanks, fit_shared_key, slot_frequencies, statistics_of
-from collab_convert.decompose.shared_key_refinement import AttentionSetting, SharedKeySample, _Sequences
+from collab_convert.decompose.shared_key_batches import AttentionSetting, SharedKeySample, StackedSequences
 
 GEOMETRY = HeadGeometry(num_heads=6, kv_heads=2, head_dim=8, rotary_dim=8)
 LENGTHS = [24, 13, 20, 9, 24, 17]
@@ -43,7 +43,7 @@ def original_output(sample: SharedKeySample, setting: AttentionSetting, rows: to
 def test_the_stacked_targets_are_each_sequences_own_attention_output_at_the_drawn_rows():
     samples, setting, factors = sequences_and_setting()
     slots = slot_frequencies(factors.ranks)
-    stacked = _Sequences(samples, GEOMETRY, setting, slots, targets=True)
+    stacked = StackedSequences(samples, GEOMETRY, setting, slots, targets=True)
     chosen = torch.tensor([3, 0, 5])
     picks = [torch.tensor([0, 4, 8]), torch.tensor([1, 2, 23]), torch.tensor([16])]
     problem = stacked.problem(chosen, picks)
@@ -60,8 +60,8 @@ def test_a_gathered_step_scores_the_shared_form_as_its_sequences_alone_would():
         slots = slot_frequencies(factors.ranks)
         parameters = (factors.key_mixing.float(), factors.query_core.float(), factors.pass_core.float())
         chosen, picks = torch.tensor([4, 1]), [torch.tensor([2, 3, 19]), torch.tensor([0, 12])]
-        gathered = _Sequences(samples, GEOMETRY, setting, slots, targets=True).problem(chosen, picks)
-        alone = _Sequences([samples[i] for i in chosen], GEOMETRY, setting, slots).problem(torch.arange(2), picks)
+        gathered = StackedSequences(samples, GEOMETRY, setting, slots, targets=True).problem(chosen, picks)
+        alone = StackedSequences([samples[i] for i in chosen], GEOMETRY, setting, slots).problem(torch.arange(2), picks)
         (loss, norm), (expected, expected_norm) = gathered.loss(*parameters), alone.loss(*parameters)
         assert loss > 0 and torch.isclose(loss, expected, rtol=1e-5) and abs(norm - expected_norm) < 1e-4 * norm
 
@@ -71,7 +71,7 @@ def test_at_full_width_every_gathered_row_is_reproduced():
     full = fit_shared_key(sum((statistics_of(s.queries.float(), s.keys.float(), GEOMETRY) for s in samples[1:]),
                               statistics_of(samples[0].queries.float(), samples[0].keys.float(), GEOMETRY)),
                           GEOMETRY, KeyRanks.full(GEOMETRY))
-    stacked = _Sequences(samples, GEOMETRY, setting, slot_frequencies(full.ranks), targets=True)
+    stacked = StackedSequences(samples, GEOMETRY, setting, slot_frequencies(full.ranks), targets=True)
     problem = stacked.problem(torch.tensor([1, 3, 2]), [torch.tensor([0, 5, 12]), torch.tensor([8]),
                                                         torch.tensor([3, 19])])
     loss, norm = problem.loss(full.key_mixing.float(), full.query_core.float(), full.pass_core.float())
@@ -85,7 +85,7 @@ def test_queries_may_read_keys_of_another_length():
     crossed = [SharedKeySample(torch.randn(n, 6, 8, generator=generator).half(), s.keys, s.values)
                for n, s in zip([5, 24, 11, 16, 8, 21], samples)]
     setting.causal = False
-    stacked = _Sequences(crossed, GEOMETRY, setting, slot_frequencies(factors.ranks), targets=True)
+    stacked = StackedSequences(crossed, GEOMETRY, setting, slot_frequencies(factors.ranks), targets=True)
     problem = stacked.problem(torch.tensor([0, 3]), [torch.tensor([1, 4]), torch.tensor([0, 15])])
     for i, (sample, rows) in enumerate(zip([crossed[0], crossed[3]], [torch.tensor([1, 4]), torch.tensor([0, 15])])):
         queries = rotate_half_dims(sample.queries.float().transpose(0, 1), setting.cos[: len(sample.queries)],
@@ -107,11 +107,11 @@ def test_the_stacked_targets_hold_one_small_problem_at_a_time(monkeypatch):
     import gc
     import weakref
 
-    from collab_convert.decompose import shared_key_refinement
+    from collab_convert.decompose import shared_key_batches
 
     samples, setting, factors = sequences_and_setting(seed=5)
     alive, most, sizes = [], [0], []
-    made = shared_key_refinement._Problem.__init__
+    made = shared_key_batches.AttentionProblem.__init__
 
     def counted(self, queries, *args, **kwargs):
         gc.collect()
@@ -120,8 +120,8 @@ def test_the_stacked_targets_hold_one_small_problem_at_a_time(monkeypatch):
         most[0], sizes[len(sizes):] = max(most[0], len(alive)), [queries.shape[0]]
         made(self, queries, *args, **kwargs)
 
-    monkeypatch.setattr(shared_key_refinement._Problem, "__init__", counted)
-    stacked = _Sequences(samples, GEOMETRY, setting, slot_frequencies(factors.ranks), targets=True)
+    monkeypatch.setattr(shared_key_batches.AttentionProblem, "__init__", counted)
+    stacked = StackedSequences(samples, GEOMETRY, setting, slot_frequencies(factors.ranks), targets=True)
     assert most[0] <= 2 and max(sizes) <= 2 and sum(sizes) == len(LENGTHS)
     for sequence, sample in enumerate(samples):  # and the targets are every sequence's own output, as before
         rows = torch.arange(sample.queries.shape[0])
@@ -136,8 +136,8 @@ def test_steps_in_bfloat16_read_their_operands_kept_in_it_and_score_as_float32_d
     slots = slot_frequencies(factors.ranks)
     parameters = (factors.key_mixing.float(), factors.query_core.float(), factors.pass_core.float())
     chosen, picks = torch.tensor([0, 2, 5]), [torch.tensor([1, 7, 20]), torch.tensor([0, 19]), torch.tensor([4])]
-    exact = _Sequences(samples, GEOMETRY, setting, slots, targets=True)
-    halved = _Sequences(samples, GEOMETRY, setting, slots, targets=True, products=torch.bfloat16)
+    exact = StackedSequences(samples, GEOMETRY, setting, slots, targets=True)
+    halved = StackedSequences(samples, GEOMETRY, setting, slots, targets=True, products=torch.bfloat16)
     assert halved.keys.dtype == halved.values.dtype == halved.setting.output_weight.dtype == torch.bfloat16
     assert torch.equal(halved.target_output, exact.target_output)  # computed in float32 before
     (loss, norm) = halved.problem(chosen, picks, torch.bfloat16).loss(*parameters)

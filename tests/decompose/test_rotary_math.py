@@ -16,7 +16,8 @@ from collab_convert.decompose.shared_key import (
     weight_statistics,
 )
 from collab_convert.decompose.rotary_ops import rotate_half_dims
-from collab_convert.decompose.shared_key_refinement import AttentionSetting, SharedKeySample, refine_shared_key
+from collab_convert.decompose.shared_key_batches import AttentionSetting, SharedKeySample
+from collab_convert.decompose.shared_key_refinement import refine_shared_key
 
 
 def rope_tables(length: int, rotary_dim: int, base: float = 10000.0):
@@ -161,7 +162,7 @@ def test_with_no_rotated_dimension_the_shared_key_is_one_weighted_subspace_exact
 def test_refinement_reads_bidirectional_attention_with_a_position_bias():
     # Encoders and encoder-decoder attention see every key; T5 adds a position bias to the scores. The
     # refinement's starting KL must be the one of exactly that attention, and refining must not worsen it.
-    from collab_convert.decompose.shared_key_refinement import _Sequences
+    from collab_convert.decompose.shared_key_batches import StackedSequences
 
     geometry = HeadGeometry(4, 4, 8, 0)
     layer = random_layer(geometry, seed=6)
@@ -171,7 +172,7 @@ def test_refinement_reads_bidirectional_attention_with_a_position_bias():
     empty = torch.ones(10, 0)
     setting = AttentionSetting(1.0, empty, empty, causal=False, position_bias=bias)
     factors = fit_shared_key(weight_statistics(*layer, geometry), geometry, KeyRanks((), 6))
-    problem = _Sequences(samples[:1], geometry, setting, torch.zeros(0, dtype=torch.long)).problems()[0]
+    problem = StackedSequences(samples[:1], geometry, setting, torch.zeros(0, dtype=torch.long)).problems()[0]
     expected = torch.log_softmax(torch.einsum("nhd,mhd->hnm", samples[0].queries, samples[0].keys) + bias, -1)
     assert torch.allclose(problem.target[0], expected, atol=1e-5)  # no causal mask, the bias where it belongs
     refined = refine_shared_key(samples, factors, geometry, setting, steps=40)

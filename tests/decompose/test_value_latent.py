@@ -1,15 +1,13 @@
 """The value latent of the multi-query form: exact at full width, the best output-weighted subspace below it, and
 refined together with the shared key against the attention output, never worse on held-out sequences."""
 
+import pytest
 import torch
 
 from collab_convert.decompose.shared_key import HeadGeometry, KeyRanks, fit_shared_key, statistics_of
-from collab_convert.decompose.shared_key_refinement import (
-    AttentionSetting,
-    SharedKeySample,
-    attention_output_error,
-    refine_shared_key,
-)
+from collab_convert.decompose.shared_key import slot_frequencies
+from collab_convert.decompose.shared_key_batches import AttentionSetting, SharedKeySample, StackedSequences
+from collab_convert.decompose.shared_key_refinement import attention_output_errors, refine_shared_key
 from collab_convert.decompose.value_latent import (
     fit_value_latent,
     head_up_projections,
@@ -72,9 +70,64 @@ def test_refining_the_key_and_values_together_never_loses_on_held_out_sequences(
     latent = fit_value_latent(moment, output_metric(setting.output_weight, GEOMETRY), 8, 2)
     full_key = fit_shared_key(statistics, GEOMETRY, KeyRanks((2, 2, 2, 2), 0))
     full_values = fit_value_latent(moment, output_metric(setting.output_weight, GEOMETRY), 16, 2)
-    assert attention_output_error(samples, full_key, GEOMETRY, setting, full_values) < 1e-6  # exact at full width
-    assert attention_output_error(samples, factors, GEOMETRY, setting, latent) > 1e-3
+    assert attention_output_errors(samples, full_key, GEOMETRY, setting, [full_values])[0] < 1e-6  # exact, full width
+    assert attention_output_errors(samples, factors, GEOMETRY, setting, [latent])[0] > 1e-3
     refined = refine_shared_key(samples, factors, GEOMETRY, setting, steps=60, values=latent)
     assert refined.objective == "attention output" and refined.loss_after <= refined.loss_before
     assert refined.values.up.shape == (4, 8, 8)  # one up-projection per head once refined
     assert head_up_projections(latent, GEOMETRY.group_of_head).shape == (4, 8, 8)
+
+
+def _layer_with_samples(seed: int = 3, recorded: bool = False):
+    """(samples, factors of a reduced shared key, setting, value moment) of a small random layer; `recorded`: the
+    samples carry their attention output as a calibration pass records it (float16)."""
+    generator = torch.Generator().manual_seed(seed)
+    samples, statistics = [], None
+    for length in (24, 17, 24, 9, 24, 24, 20, 24, 24, 13):
+        queries, keys, values = (torch.randn(length, heads, 8, generator=generator) for heads in (4, 2, 2))
+        samples.append(SharedKeySample(queries.half(), keys.half(), values.half()))
+        more = statistics_of(queries, keys, GEOMETRY)
+        statistics = more if statistics is None else statistics + more
+    angles = torch.arange(24).float()[:, None] * 0.3 ** torch.arange(4).float()
+    setting = AttentionSetting(8 ** -0.5, torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1),
+                               output_weight=torch.randn(32, 32, generator=generator))
+    factors = fit_shared_key(statistics, GEOMETRY, KeyRanks((1, 1, 1, 1), 0))
+    if recorded:
+        stacked = StackedSequences(samples, GEOMETRY, setting, slot_frequencies(factors.ranks), targets=True)
+        for i, sample in enumerate(samples):
+            sample.target_output = stacked.target_output[i, : sample.queries.shape[0]].half()
+    return samples, factors, setting, sum(value_moment(s.values.float()) for s in samples)
+
+
+def _each_alone(samples, factors, setting, latent) -> float:
+    """A candidate's output error as a batch's own loss gives it, one problem at a time."""
+    slots = slot_frequencies(factors.ranks)
+    start = [factors.key_mixing.float(), factors.query_core.float(), factors.pass_core.float()]
+    if latent is not None:
+        start += [latent.down.float(), latent.up[GEOMETRY.group_of_head].float()]
+    total, energy = 0.0, 0.0
+    for problem in StackedSequences(samples, GEOMETRY, setting, slots).each_problem():
+        loss, norm = problem.loss(*start)
+        total, energy = total + float(loss), energy + norm
+    return total / energy
+
+
+def test_candidate_value_latents_scored_together_score_as_each_alone():
+    samples, factors, setting, moment = _layer_with_samples()
+    candidates = [None, fit_value_latent(moment, output_metric(setting.output_weight, GEOMETRY), 8, 2),
+                  fit_value_latent(moment, output_metric(setting.output_weight, GEOMETRY, summed=True), 4, 2)]
+    together = attention_output_errors(samples, factors, GEOMETRY, setting, candidates)
+    alone = [_each_alone(samples, factors, setting, latent) for latent in candidates]
+    assert together == pytest.approx(alone, rel=1e-6)
+    assert together[0] < together[1] < together[2]  # narrower latents lose more of the output
+
+
+def test_candidates_are_scored_against_the_outputs_the_calibration_pass_recorded():
+    samples, factors, setting, moment = _layer_with_samples(recorded=True)
+    latent = fit_value_latent(moment, output_metric(setting.output_weight, GEOMETRY), 8, 2)
+    recorded = attention_output_errors(samples, factors, GEOMETRY, setting, [latent])[0]
+    assert recorded == pytest.approx(_each_alone(samples, factors, setting, latent), rel=1e-2)  # float16 targets
+    for sample in samples:  # other recorded outputs: the score follows them rather than computing its own
+        sample.target_output = sample.target_output * 2
+    shifted = attention_output_errors(samples, factors, GEOMETRY, setting, [latent])[0]
+    assert abs(shifted - recorded) > 0.1 * recorded

@@ -162,15 +162,15 @@ def test_kept_samples_carry_the_attention_output_the_model_computed(name, tmp_pa
     from dataclasses import replace
 
     from collab_convert.decompose.shared_key import KeyRanks, slot_frequencies
-    from collab_convert.decompose.shared_key_refinement import _Sequences
+    from collab_convert.decompose.shared_key_batches import StackedSequences
 
     (by_block,), layers = _shared_key_records(name, tmp_path, monkeypatch, scratches=("scratch",), keep=8)
     for prefix in list(layers)[:-1]:
         record, geometry = by_block[prefix], layers[prefix][0]
         assert len(record.samples) == 8 and all(s.target_output is not None for s in record.samples), prefix
         slots = slot_frequencies(KeyRanks.full(geometry))
-        recorded = _Sequences(record.samples, geometry, record.setting, slots, targets=True).target_output
-        computed = _Sequences([replace(s, target_output=None) for s in record.samples], geometry, record.setting,
+        recorded = StackedSequences(record.samples, geometry, record.setting, slots, targets=True).target_output
+        computed = StackedSequences([replace(s, target_output=None) for s in record.samples], geometry, record.setting,
                               slots, targets=True).target_output
         assert recorded.shape == computed.shape
         for row, sample in enumerate(record.samples):  # real positions: a step never draws the padding after them

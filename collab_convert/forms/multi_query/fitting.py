@@ -97,12 +97,12 @@ def _value_start(record, weights, geometry, width: int, factors, options: Compre
 
     if not record.samples or width == geometry.full_width:
         return fitted(False), "per head"
-    from ...decompose.shared_key_refinement import attention_output_error
+    from ...decompose.shared_key_refinement import attention_output_errors
 
     candidates = {"per head": fitted(False), "summed over a group's heads": fitted(True)}
-    errors = {name: attention_output_error(record.samples, factors, geometry, record.setting, latent,
-                                           options.device) for name, latent in candidates.items()}
-    best = min(errors, key=errors.get)
+    errors = attention_output_errors(record.samples, factors, geometry, record.setting, list(candidates.values()),
+                                     options.device)
+    best = min(zip(errors, candidates), key=lambda pair: pair[0])[1]  # the first on a tie, as before
     return candidates[best], best
 
 
