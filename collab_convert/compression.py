@@ -80,6 +80,8 @@ def _compress(model: str, options: CompressOptions, progress: Progress, threads:
     try:
         options, warning = decoder_calibration(source, options)
         checked, form, form_plan = _check(source, options)  # refuse bad input before the costly calibration
+        if options.refine_steps is None:
+            options = options.model_copy(update={"refine_steps": form.refine_steps})
         with StagedOutput(Path(checked.output), options.overwrite, options.resume) as staged:
             result = _stages(source, form, form_plan, options, progress, staged, threads, started, warning)
     finally:

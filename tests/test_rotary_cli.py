@@ -118,6 +118,28 @@ def test_refined_layers_show_refining_layer_by_layer(tmp_path):
     assert result.stage_seconds["refining"] > 0 and "fitting" not in result.stage_seconds
 
 
+def test_each_form_refines_its_own_default_number_of_steps(tiny_bert, tmp_path):
+    """--refine-steps left out: 160 for the shared-key and multi-query forms, 200 for the collaborative form, each
+    the count measured to pay for that form (docs/benchmarks.md); given, it is what the user asked for."""
+    from collab_convert import CompressOptions, compress
+    from fixtures.models import save_tiny_tokenizer
+
+    decoder = tmp_path / "llama"
+    build_rotary(next(c for c in ROTARY_CASES if c.name == "llama"), decoder)
+    save_tiny_tokenizer(decoder)
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(f"the {w} was on the {v}" for w in "abcdef" for v in "ghij") + "\n")
+    settings = {"output": tmp_path / "out", "threads": 1, "plots": False, "calibration": texts, "overwrite": True}
+    for budget in ({"key_cache": 0.5}, {"kv_cache": 0.5}):
+        result = compress(str(decoder), CompressOptions(**budget, **settings))
+        assert "up to 160 Adam steps per layer" in result.calibration["refinement"]
+        assert all(0 < layer.refinement["steps"] <= 160 for layer in result.layers)
+    asked = compress(str(decoder), CompressOptions(key_cache=0.5, refine_steps=40, **settings))
+    assert "up to 40 Adam steps per layer" in asked.calibration["refinement"]
+    encoder = compress(str(tiny_bert), CompressOptions(rank=8, **settings))
+    assert "200 steps per layer on average" in encoder.calibration["refinement"]
+
+
 @pytest.mark.parametrize("budget", [{"key_cache": 0.5}, {"kv_cache": 0.5}])
 def test_layers_are_refined_one_at_a_time(budget, tmp_path, monkeypatch):
     """Memory holds one layer's refinement (its stacked sequences and step workspace), whatever the threads: two

@@ -8,11 +8,13 @@ starting from the calibrated fit and keeping whichever is better. Pure torch mat
 
 from __future__ import annotations
 
+
 from dataclasses import dataclass
 
 import torch
 
 from ..devices import HOST, Device, training_products
+from .held_out_adam import adam_with_held_out
 from .products import CollaborativeFactors
 
 # Adam's step, as a share of each tensor's typical entry, and what one step sees. Measured on all-MiniLM-L6-v2,
@@ -20,7 +22,7 @@ from .products import CollaborativeFactors
 # 4e-3 0.9944/0.9872 and 0.9797/0.9380; 1e-2 0.9944/0.9868 and 0.9802/0.9428; 3e-2 worse (0.9923 at 192).
 # 4 sequences x 64 query rows per step match 8 x 32 (0.9945/0.9874, 0.9798/0.9440) at 10% less time: half
 # the keys to project per step for as many attention rows.
-LEARNING_RATE = 1e-2
+LEARNING_RATE = 1.5e-2
 BATCH_SEQUENCES, QUERY_ROWS = 4, 64
 # A held-out check scores every held-out sequence at this many fixed rows, as many sequences at a time as a step
 # sees: in one batch of 25 its float32 temporaries (16 MB each) outgrew the reused heap's top and were faulted in
@@ -296,43 +298,3 @@ def share_steps(losses: list[float], total: int, most: float = 3.0, least: int =
     if spare > 0 and sum(room) > 0:
         shares = [min(share + spare * r / sum(room), most * even) for share, r in zip(shares, room)]
     return [max(int(round(share)), least if w > 0 else 0) for share, w in zip(shares, weights)]
-
-
-@dataclass
-class _Progress:
-    best: list
-    best_loss: float
-    stale: int = 0
-
-
-def adam_with_held_out(parameters: list[torch.Tensor], minibatch_loss, held_out_loss, steps: int,
-                       learning_rate: float, check_every: int = 20, patience: int = 5, on_check=None):
-    """Adam on `minibatch_loss()`, checked on `held_out_loss()` every `check_every` steps: stops after
-    `patience` checks without a gain and returns (the best parameters seen, the start's held-out loss, the best,
-    steps taken). The start counts as a candidate, so the result is never worse on the held-out data.
-
-    Adam steps are scale-free per parameter: each tensor moves by `learning_rate` times its typical entry."""
-    # fused: one kernel per step for all the tensors, where torch has one (CPU and CUDA); on SmolLM2's shared-key
-    # layers Adam's own step was a tenth of a refinement step
-    fused = all(p.device.type in ("cpu", "cuda") for p in parameters)
-    optimizer = torch.optim.Adam(
-        [{"params": [p], "lr": learning_rate * float(p.detach().abs().mean().clamp_min(1e-8))} for p in parameters],
-        fused=fused or None,
-    )
-    initial = held_out_loss()
-    state, taken = _Progress([p.detach().clone() for p in parameters], initial), 0
-    for taken in range(1, steps + 1):
-        optimizer.zero_grad()
-        minibatch_loss().backward()
-        optimizer.step()
-        if taken % check_every == 0 or taken == steps:
-            loss = held_out_loss()
-            if on_check is not None:
-                on_check(taken, loss)
-            if loss < state.best_loss:
-                state = _Progress([p.detach().clone() for p in parameters], loss)
-            else:
-                state.stale += 1
-                if state.stale >= patience:
-                    break
-    return state.best, initial, state.best_loss, taken

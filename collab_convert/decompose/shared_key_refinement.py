@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..devices import HOST, Device, training_products
-from .refinement import adam_with_held_out
+from .held_out_adam import adam_with_held_out
 from .shared_key import HeadGeometry, SharedKeyFactors, slot_frequencies
 from .shared_key_batches import AttentionSetting, SharedKeySample, StackedSequences
 from .value_latent import ValueLatent
@@ -60,7 +60,7 @@ def attention_output_errors(samples: list[SharedKeySample], factors: SharedKeyFa
 
 
 def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors, geometry: HeadGeometry,
-                      setting: AttentionSetting, steps: int = 200, learning_rate: float = 6e-2,
+                      setting: AttentionSetting, steps: int = 200, learning_rate: float = 9e-2,
                       batch_sequences: int = 8, query_rows: int = 32, seed: int = 0,
                       device: Device = HOST, values: ValueLatent | None = None) -> SharedKeyRefinement:
     """Adam on the error of the attention output through the output projection where the samples carry values

@@ -76,6 +76,8 @@ class Form(ABC):
     name: str
     format_version: int  # the lowest config.json record version that describes this form (format.py)
     report_type: type[LayerReport]  # what convert reports per layer, and --resume reads back
+    # --refine-steps when not given: Adam steps per layer, on average (measured per form, docs/benchmarks.md)
+    refine_steps: int = 200
 
     # --- compress -----------------------------------------------------------------------------------------------
     def refuse_options(self, options: CompressOptions) -> None:

@@ -1,0 +1,95 @@
+"""Adam with a held-out check: the loop every refinement runs (pure torch).
+
+Each step is Adam on a minibatch's loss; every few steps the average of the steps' parameters is scored on
+held-out data, and the best state seen (the start included) is what comes back, so a refinement is never worse
+on the held-out data than where it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+AVERAGING = 0.97  # the weight of the average's past at each step (Polyak averaging over about 30 steps)
+
+
+class _Average:
+    """The exponentially weighted average of a run's parameters after each step, without the start's weight
+    (started at zero and divided by the weights' sum, as Adam's moments are)."""
+
+    def __init__(self, parameters: list[torch.Tensor], decay: float):
+        self.parameters, self.decay, self.steps = parameters, decay, 0
+        self.sums = [torch.zeros_like(p, requires_grad=False) for p in parameters] if decay else []
+
+    @torch.no_grad()
+    def add(self) -> None:
+        self.steps += 1
+        if self.sums:
+            torch._foreach_lerp_(self.sums, [p.detach() for p in self.parameters], 1 - self.decay)
+
+    @contextlib.contextmanager
+    def in_place(self):
+        """Within: the parameters hold the average; after: the last step's again."""
+        if not self.sums or not self.steps:
+            yield
+            return
+        last = [p.detach().clone() for p in self.parameters]
+        with torch.no_grad():
+            for parameter, total in zip(self.parameters, self.sums, strict=True):
+                parameter.copy_(total / (1 - self.decay**self.steps))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for parameter, kept in zip(self.parameters, last, strict=True):
+                    parameter.copy_(kept)
+
+
+@dataclass
+class _Progress:
+    best: list
+    best_loss: float
+    stale: int = 0
+
+
+def adam_with_held_out(parameters: list[torch.Tensor], minibatch_loss, held_out_loss, steps: int,
+                       learning_rate: float, check_every: int = 20, patience: int = 5, on_check=None,
+                       averaging: float = AVERAGING):
+    """Adam on `minibatch_loss()`, checked on `held_out_loss()` every `check_every` steps: stops after
+    `patience` checks without a gain and returns (the best parameters seen, the start's held-out loss, the best,
+    steps taken). The start counts as a candidate, so the result is never worse on the held-out data.
+
+    Adam steps are scale-free per parameter: each tensor moves by `learning_rate` times its typical entry. What
+    is checked (and kept) is the average of the steps' parameters, exponentially weighted by `averaging` (0: the
+    last step's): minibatches pull the parameters around the minimum, and their average sits nearer it (Polyak
+    averaging; measured on MiniLM's and SmolLM2's layers, the average after 60-80% of the steps was at or below
+    the last step's held-out loss after all of them)."""
+    # fused: one kernel per step for all the tensors, where torch has one (CPU and CUDA); on SmolLM2's shared-key
+    # layers Adam's own step was a tenth of a refinement step
+    fused = all(p.device.type in ("cpu", "cuda") for p in parameters)
+    optimizer = torch.optim.Adam(
+        [{"params": [p], "lr": learning_rate * float(p.detach().abs().mean().clamp_min(1e-8))} for p in parameters],
+        fused=fused or None,
+    )
+    initial = held_out_loss()
+    state, taken = _Progress([p.detach().clone() for p in parameters], initial), 0
+    average = _Average(parameters, averaging)
+    for taken in range(1, steps + 1):
+        optimizer.zero_grad()
+        minibatch_loss().backward()
+        optimizer.step()
+        average.add()
+        if taken % check_every == 0 or taken == steps:
+            with average.in_place():
+                loss = held_out_loss()
+                if on_check is not None:
+                    on_check(taken, loss)
+                if loss < state.best_loss:
+                    state = _Progress([p.detach().clone() for p in parameters], loss)
+                else:
+                    state.stale += 1
+            if state.stale >= patience:
+                break
+    return state.best, initial, state.best_loss, taken

@@ -1,0 +1,60 @@
+"""The refinements' loop: Adam on minibatches, the average of its steps checked on held-out data, never worse than
+the start there."""
+
+import torch
+
+from collab_convert.decompose.held_out_adam import adam_with_held_out
+
+
+def _noisy_quadratic(seed: int):
+    """(parameters, a minibatch loss whose minimum jitters around the target, the held-out loss: the distance to
+    the target)."""
+    generator = torch.Generator().manual_seed(seed)
+    target = torch.randn(64, generator=generator)
+    parameters = [torch.ones(64, requires_grad=True)]  # Adam steps by a share of the typical entry: not 0
+
+    def minibatch_loss():
+        return ((parameters[0] - target - 0.5 * torch.randn(64, generator=generator)) ** 2).sum()
+
+    def held_out_loss():
+        return float(((parameters[0].detach() - target) ** 2).sum())
+
+    return parameters, minibatch_loss, held_out_loss
+
+
+def test_the_average_of_noisy_steps_is_nearer_the_minimum_than_the_last_step():
+    kept = {}
+    for averaging in (0.0, 0.97):
+        parameters, minibatch_loss, held_out_loss = _noisy_quadratic(0)
+        best, initial, best_loss, taken = adam_with_held_out(parameters, minibatch_loss, held_out_loss, 200, 0.05,
+                                                             patience=10, averaging=averaging)
+        kept[averaging] = best_loss
+        assert taken == 200 and best_loss < initial
+    assert float(((best[0] - parameters[0].detach()) ** 2).sum()) > 0  # kept: an average, not the last step
+    assert kept[0.97] < 0.5 * kept[0.0]
+
+
+def test_the_checks_hear_the_average_and_training_continues_from_the_last_step():
+    parameters, minibatch_loss, held_out_loss = _noisy_quadratic(1)
+    heard, seen = [], []
+
+    def checked():
+        seen.append(parameters[0].detach().clone())
+        return held_out_loss()
+
+    best, _, best_loss, _ = adam_with_held_out(parameters, minibatch_loss, checked, 40, 0.05,
+                                               on_check=lambda step, loss: heard.append((step, loss)))
+    assert [step for step, _ in heard] == [20, 40]
+    assert best_loss == min(loss for _, loss in heard)
+    assert torch.equal(best[0], seen[1 + [loss for _, loss in heard].index(best_loss)])
+    assert not torch.equal(parameters[0].detach(), seen[-1])  # the parameters are the last step's again
+
+
+def test_a_start_no_step_improves_on_is_kept():
+    parameters = [torch.zeros(8, requires_grad=True)]
+    start = parameters[0].detach().clone()
+    best, initial, best_loss, taken = adam_with_held_out(
+        parameters, lambda: ((parameters[0] - 1) ** 2).sum(), lambda: float((parameters[0].detach() ** 2).sum()),
+        200, 0.1, patience=2)
+    assert torch.equal(best[0], start) and best_loss == initial == 0.0
+    assert taken == 40  # two checks without a gain
