@@ -72,7 +72,8 @@ seconds = time.perf_counter() - started
 running[0] = False
 peak[0] = max(peak[0], rss())
 print(json.dumps({"baseline": baseline, "peak": peak[0], "seconds": seconds, "stages": result.stage_seconds,
-                  "stage_peaks": stage_peaks, "stage_parts": stage_parts, "files": [f for f in result.files if f.endswith(".safetensors")]}))
+                  "stage_peaks": stage_peaks, "stage_parts": stage_parts,
+                  "files": [f for f in result.files if f.endswith(".safetensors")]}))
 """
 
 
@@ -126,8 +127,8 @@ def main() -> None:
     parser.add_argument("--ranks", "--rank", default="512", help="ranks to measure at, e.g. 256,512,768")
     parser.add_argument("--calibration", type=int, default=0, help="calibrate on this many Brown documents")
     parser.add_argument("--refine-steps", default="200",
-                        help="with --calibration: refinement steps per layer to measure at (200: compress's "
-                        "default), e.g. 200,20")
+                        help="with --calibration: refinement steps per layer to measure at (200: the collaborative "
+                        "form's default; the shared-key form's is 160), e.g. 200,20")
     parser.add_argument("--form", default="auto", help="compress --form: collaborative (the default here) or "
                         "shared-key (--rank is then the shared key's width)")
     args = parser.parse_args()
