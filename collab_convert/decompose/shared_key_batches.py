@@ -249,9 +249,12 @@ class AttentionProblem:
         """(the objective's sum over this batch, its normaliser)."""
         if self.values is None:
             return self.kl_sum(self.predicted(mixing, core, pass_core)), float(self.valid.sum())
+        return self.output_error(self.attention(mixing, core, pass_core), down, up), self.output_energy
+
+    def attention(self, mixing: torch.Tensor, core: torch.Tensor, pass_core: torch.Tensor) -> torch.Tensor:
+        """The shared form's attention probabilities (B, H, rows, m)."""
         # softmax itself, not exp of log-probabilities: exp is slow on the masked keys' -inf, a twentieth of a step
-        probabilities = torch.softmax(self._shared_scores(mixing, core, pass_core), dim=-1)
-        return self.output_error(probabilities, down, up), self.output_energy
+        return torch.softmax(self._shared_scores(mixing, core, pass_core), dim=-1)
 
     def output_error(self, probabilities: torch.Tensor, down=None, up=None) -> torch.Tensor:
         """The squared error of the layer's output from these attention probabilities, summed over the rows."""

@@ -52,7 +52,7 @@ def attention_output_errors(samples: list[SharedKeySample], factors: SharedKeyFa
     totals, energy = [0.0] * len(candidates), 0.0
     with torch.no_grad():
         for problem in StackedSequences(samples, geometry, setting, slots, device, targets=True).each_problem():
-            probabilities = torch.softmax(problem._shared_scores(*key), dim=-1)
+            probabilities = problem.attention(*key)
             for index, read in enumerate(reads):
                 totals[index] += float(problem.output_error(probabilities, *read))
             energy += problem.output_energy
