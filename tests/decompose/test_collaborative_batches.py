@@ -97,7 +97,7 @@ def test_held_out_checks_in_small_batches_judge_as_one_batch_would():
     assert [b.x.shape[0] for b in target.check_batches] == [4, 2]
     from collab_convert.decompose import refinement
 
-    one = refinement._original_attention(many[-6:], many[-6:], wq, bq, wk, HEADS, SCALING, False, rows=64,
-                                         sequences=32)  # every row of every sequence: the draws do not matter
+    one = list(refinement._original_attention(many[-6:], many[-6:], wq, bq, wk, HEADS, SCALING, False, rows=64,
+                                              sequences=32))  # every row of every sequence: the draws do not matter
     together = sum(float(refinement._collaborative_kl(parameters, b, SCALING)) * b.rows for b in one)
     assert target.held_out_kl(parameters) == pytest.approx(together / sum(b.rows for b in one), rel=1e-5)

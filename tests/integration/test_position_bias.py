@@ -51,9 +51,9 @@ def test_refinement_target_is_the_models_own_attention(tmp_path, monkeypatch, fa
     assert metric.position_bias is not None and metric.position_bias.shape[-1] == len(TEXT)
 
     def target(position_bias):
-        return _original_attention(metric.query_samples, metric.key_samples, projections.query_weight,
+        return next(_original_attention(metric.query_samples, metric.key_samples, projections.query_weight,
                                    projections.query_bias, projections.key_weight, layer.shape.num_heads,
-                                   score_scale(layer, metric), layer.causal, position_bias)[0].target_p
+                                   score_scale(layer, metric), layer.causal, position_bias)).target_p
 
     expected = _models_own_attention(model, family, where)
     error = (target(metric.position_bias) - expected).abs().max()

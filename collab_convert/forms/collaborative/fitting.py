@@ -126,13 +126,30 @@ def _fit(source: SourceModel, layer: AttentionLayer, options: CompressOptions, r
     products = projections.products(layer.shape.num_heads)
     fit = method_named(options.method).fit(FitRequest(
         products, rank, options.max_iterations, options.tolerance, options.device, options.seed,
-        query_metric=metric.query if metric else None, key_metric=metric.key if metric else None,
+        query_metric=metric.query if metric else None, key_metric=_key_metric(layer, projections, metric, options),
         head_weights=head_weights_of(source, layer, metric),
     ))
     bias = content_bias(projections.key_weight, projections.query_bias, layer.shape.num_heads)
     if fit.content_bias_correction is not None:
         bias = bias + fit.content_bias_correction
     return projections, fit, bias
+
+
+def _key_metric(layer: AttentionLayer, projections: Projections, metric, options: CompressOptions):
+    """The key side's metric for the calibrated fit: where calibration kept sequences, the keys' spread under the
+    original attention on the ones refinement trains on (refinement.attention_key_covariance); else their plain
+    spread."""
+    if metric is None or not metric.query_samples:
+        return metric.key if metric else None
+    from ...decompose.calibrated import InputMetric
+    from ...decompose.refinement import attention_key_covariance, held_out_count
+
+    train = len(metric.query_samples) - held_out_count(len(metric.query_samples))
+    covariance = attention_key_covariance(
+        metric.query_samples[:train], metric.key_samples[:train], projections.query_weight, projections.query_bias,
+        projections.key_weight, layer.shape.num_heads, score_scale(layer, metric), layer.causal,
+        getattr(metric, "position_bias", None), device=options.device, seed=options.seed)
+    return InputMetric(covariance, metric.key.mean)
 
 
 def _refine(projections: Projections, layer: AttentionLayer, fit: LayerFit, bias, metric, steps: dict[str, int],
