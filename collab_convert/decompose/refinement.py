@@ -221,7 +221,7 @@ def attention_key_covariance(queries, keys, query_weight, query_bias, key_weight
         part = (batch.y.transpose(1, 2) @ spread @ batch.y).sum(0).double()
         total = part if total is None else total + part
         rows += batch.rows
-    return total / max(rows, 1)
+    return (total / max(rows, 1)).to(HOST)  # beside the other statistics, wherever the attention ran
 
 
 class AttentionTarget:
