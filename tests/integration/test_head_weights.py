@@ -148,3 +148,14 @@ def test_a_calibrated_report_says_the_heads_were_weighed(tiny_bert, calibration_
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     objective = report["calibration"]["objective"]
     assert "each head's weighted by how far its attention moves the layer's output" in objective
+
+
+def test_a_calibrated_report_says_how_the_keys_were_weighed(tiny_bert, calibration_file, tmp_path):
+    objectives = {}
+    for steps in (20, 0):  # sequences kept for refinement weigh the keys by the attention they get; else their spread
+        compress(str(tiny_bert), CompressOptions(rank=16, output=tmp_path / f"out{steps}", calibration=calibration_file,
+                                                 refine_steps=steps))
+        report = json.loads((tmp_path / f"out{steps}" / "report.json").read_text())
+        objectives[steps] = report["calibration"]["objective"]
+    assert "keys weighed by the original attention they get" in objectives[20]
+    assert "keys centred per sequence" in objectives[0]

@@ -40,7 +40,10 @@ def calibrate(source: SourceModel, options: CompressOptions, texts: list[str], p
         "examples": batches.texts,
         "tokens": batches.tokens,
         "max_length": options.calibration_max_length,
-        "objective": "logit error on the calibration inputs (keys centred per sequence)"
+        # with kept sequences the key side is weighed by the original attention on them (fitting._key_metric)
+        "objective": "logit error on the calibration inputs ("
+                     + ("keys weighed by the original attention they get on the refinement's training sequences"
+                        if refines else "keys centred per sequence") + ")"
                      + (", each head's weighted by how far its attention moves the layer's output (its value and "
                         "output projections)" if all(map(source.weighs_heads, source.layers)) else ""),
         "refinement": refinement,
