@@ -216,8 +216,9 @@ def attention_key_covariance(queries, keys, query_weight, query_bias, key_weight
     for batch in _original_attention(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal,
                                      position_bias, rows=HELD_OUT_ROWS, seed=seed, device=device,
                                      sequences=METRIC_SEQUENCES, entropy=False):
-        p = batch.target_p  # (B, H, rows, m): rows past a sequence's end are all 0
-        spread = torch.diag_embed(p.sum((1, 2))) - (p.transpose(-1, -2) @ p).sum(1)  # (B, m, m)
+        p = batch.target_p.flatten(1, 2)  # (B, H rows, m): rows past a sequence's end are all 0
+        # sum_i P_i^T P_i in one product over every head's rows: no (B, H, m, m) per head (201 MB at 512 tokens)
+        spread = torch.diag_embed(p.sum(1)) - p.transpose(1, 2) @ p  # (B, m, m)
         part = (batch.y.transpose(1, 2) @ spread @ batch.y).sum(0).double()
         total = part if total is None else total + part
         rows += batch.rows
