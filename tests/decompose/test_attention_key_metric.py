@@ -65,3 +65,23 @@ def test_a_direction_only_ignored_keys_vary_in_weighs_nothing():
     found = attention_key_covariance(sequences, keys, torch.zeros_like(query_weight), torch.ones(HEADS * HEAD_DIM),
                                      attends_to_the_sink, HEADS, 1.0)
     assert float(found.abs().max()) < 1e-6
+
+
+def test_a_rank_search_weighs_each_layers_keys_once_and_the_final_fit_once_more(tiny_bert, calibration_file,
+                                                                                 tmp_path, monkeypatch):
+    from collab_convert import CompressOptions, compress
+    from collab_convert.decompose import refinement
+
+    computed = []
+
+    def counted(*args, **kwargs):
+        computed.append(args[0])
+        return attention_key_covariance(*args, **kwargs)
+
+    monkeypatch.setattr(refinement, "attention_key_covariance", counted)
+    result = compress(str(tiny_bert), CompressOptions(rank="auto", target_cosine=0.995, output=tmp_path / "out",
+                                                      calibration=calibration_file, refine_steps=5))
+    layers = len(result.layers)
+    assert result.rank_choice["mode"] == "fidelity target"
+    # the search tried several ranks, each layer's metric computed at the first; the refined fit once more
+    assert len(computed) == 2 * layers

@@ -27,10 +27,13 @@ from .statistics import head_weights_of
 
 
 def convert_weights(source: SourceModel, options: CompressOptions, folder: Path, progress: Progress,
-                    ranks: dict[str, int], metrics, finished: FinishedLayers | None = None):
+                    ranks: dict[str, int], metrics, finished: FinishedLayers | None = None,
+                    key_metrics: dict | None = None):
     """Every tensor to the output in input order; at each attention layer, its collaborative tensors (fitted
     there) in place of the ones they replace. With refinement, every layer is fitted first and the refinement
-    steps are shared out by each layer's attention error (`refinement_steps`)."""
+    steps are shared out by each layer's attention error (`refinement_steps`). `key_metrics`: where a caller
+    writes several checkpoints from the same calibration (`--rank auto`), each layer's attention-weighted key
+    metric kept there by prefix, computed once."""
     fits, steps = {}, {}
     if metrics and options.refine_steps and any(m.query_samples for m in metrics.values()):
         fits, steps = refinement_steps(source, options, ranks, metrics, progress, finished)
@@ -53,7 +56,8 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
             started -= seconds
             projections = source.read_projections(layer)
         else:
-            projections, layer_fit, bias = _fit(source, layer, options, rank, metric, progress, labels)
+            projections, layer_fit, bias = _fit(source, layer, options, rank, metric, progress, labels,
+                                                key_metrics)
         refinement = None
         if steps.get(layer.prefix) and rank < layer.shape.key_dim:
             with reused_heap(keep_top=True):
@@ -119,14 +123,15 @@ def score_scale(layer: AttentionLayer, metric) -> float:
 
 
 def _fit(source: SourceModel, layer: AttentionLayer, options: CompressOptions, rank: int, metric, progress: Progress,
-         labels: dict[str, str]):
+         labels: dict[str, str], key_metrics: dict | None = None):
     """(projections, fit, content bias) of one layer, before any refinement."""
     progress(f"fitting{DETAIL}{labels[layer.prefix]}", list(labels).index(layer.prefix), len(labels))
     projections = source.read_projections(layer)
     products = projections.products(layer.shape.num_heads)
     fit = method_named(options.method).fit(FitRequest(
         products, rank, options.max_iterations, options.tolerance, options.device, options.seed,
-        query_metric=metric.query if metric else None, key_metric=_key_metric(layer, projections, metric, options),
+        query_metric=metric.query if metric else None,
+        key_metric=_key_metric(layer, projections, metric, options, key_metrics),
         head_weights=head_weights_of(source, layer, metric),
     ))
     bias = content_bias(projections.key_weight, projections.query_bias, layer.shape.num_heads)
@@ -135,12 +140,15 @@ def _fit(source: SourceModel, layer: AttentionLayer, options: CompressOptions, r
     return projections, fit, bias
 
 
-def _key_metric(layer: AttentionLayer, projections: Projections, metric, options: CompressOptions):
+def _key_metric(layer: AttentionLayer, projections: Projections, metric, options: CompressOptions,
+                kept: dict | None = None):
     """The key side's metric for the calibrated fit: where calibration kept sequences, the keys' spread under the
     original attention on the ones refinement trains on (refinement.attention_key_covariance); else their plain
     spread."""
     if metric is None or not metric.query_samples:
         return metric.key if metric else None
+    if kept is not None and layer.prefix in kept:
+        return kept[layer.prefix]
     from ...decompose.calibrated import InputMetric
     from ...decompose.refinement import attention_key_covariance, held_out_count
 
@@ -149,7 +157,10 @@ def _key_metric(layer: AttentionLayer, projections: Projections, metric, options
         metric.query_samples[:train], metric.key_samples[:train], projections.query_weight, projections.query_bias,
         projections.key_weight, layer.shape.num_heads, score_scale(layer, metric), layer.causal,
         getattr(metric, "position_bias", None), device=options.device, seed=options.seed)
-    return InputMetric(covariance, metric.key.mean)
+    found = InputMetric(covariance, metric.key.mean)
+    if kept is not None:
+        kept[layer.prefix] = found
+    return found
 
 
 def _refine(projections: Projections, layer: AttentionLayer, fit: LayerFit, bias, metric, steps: dict[str, int],

@@ -61,9 +61,10 @@ def estimator(source: SourceModel, options: CompressOptions, metrics, held_out):
         return None
     # Estimates skip refinement: the final compression refines, which only lowers the error.
     settings = options.model_copy(update={"refine_steps": 0})
+    key_metrics: dict = {}  # each layer's, computed at the first rank tried (fitting._key_metric)
 
     def write(folder: Path, ranks: dict[str, int], progress: Progress) -> None:
-        reports, _ = convert_weights(source, settings, folder, progress, ranks, metrics)
+        reports, _ = convert_weights(source, settings, folder, progress, ranks, metrics, key_metrics=key_metrics)
         write_format_config(source, reports, folder, settings.method, calibrated=metrics is not None)
 
     return FidelityEstimator(source, settings, held_out or default_probe(), write)
