@@ -180,3 +180,26 @@ def test_distillation_tunes_the_stock_projections(tmp_path):
         p.numel() for n, p in AutoModelForCausalLM.from_pretrained(tmp_path / "out").named_parameters()
         if ".self_attn." in n)
     assert torch.isfinite(torch.tensor(result.distillation["kl_after"]))
+
+
+def test_the_value_latents_start_is_chosen_on_a_quarter_of_the_samples(tmp_path, monkeypatch):
+    from collab_convert.decompose import shared_key_refinement
+
+    build_rotary(case("llama"), tmp_path / "in")
+    save_tiny_tokenizer(tmp_path / "in")
+    texts = tmp_path / "texts.txt"
+    from fixtures import SENTENCES
+
+    texts.write_text("\n".join(SENTENCES) + "\n")
+    scored, original = [], shared_key_refinement.attention_output_errors
+
+    def counted(samples, *args, **kwargs):
+        scored.append(len(samples))
+        return original(samples, *args, **kwargs)
+
+    monkeypatch.setattr(shared_key_refinement, "attention_output_errors", counted)
+    result = compress(str(tmp_path / "in"), CompressOptions(kv_cache=0.5, output=tmp_path / "out", calibration=texts,
+                                                            calibration_samples=24, refine_steps=5))
+    kept = len(SENTENCES[:24])  # every calibration text is kept for refinement here
+    assert scored == [-(-kept // 4)] * len(result.layers)  # every fourth, the first included
+    assert {layer.refinement["value_start"] for layer in result.layers} <= {"per head", "summed over a group's heads"}
