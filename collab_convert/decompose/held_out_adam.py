@@ -47,6 +47,12 @@ class _Average:
                     parameter.copy_(kept)
 
 
+def held_out_count(sequences: int) -> int:
+    """How many of the last calibration sequences a refinement holds out to judge itself by: a tenth, when there
+    are at least ten (else none: it is judged on what it trains on)."""
+    return max(sequences // 10, 1) if sequences >= 10 else 0
+
+
 @dataclass
 class _Progress:
     best: list

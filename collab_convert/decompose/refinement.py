@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..devices import HOST, Device, training_products
-from .held_out_adam import adam_with_held_out
+from .held_out_adam import adam_with_held_out, held_out_count
 from .products import CollaborativeFactors
 
 # Adam's step, as a share of each tensor's typical entry, and what one step sees. Measured on all-MiniLM-L6-v2,
@@ -190,12 +190,6 @@ def _original_attention(queries, keys, query_weight, query_bias, key_weight, num
     for start in range(0, len(order), sequences):
         yield packed.batch(torch.tensor(order[start:start + sequences]), rows, scaling, causal, generator,
                            position_bias, head_weights, entropy)
-
-
-def held_out_count(sequences: int) -> int:
-    """How many of the last calibration sequences a refinement holds out to judge itself by: a tenth, when there
-    are at least ten (else none: it is judged on what it trains on)."""
-    return max(sequences // 10, 1) if sequences >= 10 else 0
 
 
 @torch.no_grad()

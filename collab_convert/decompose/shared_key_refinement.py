@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..devices import HOST, Device, training_products
-from .held_out_adam import adam_with_held_out
+from .held_out_adam import adam_with_held_out, held_out_count
 from .shared_key import HeadGeometry, SharedKeyFactors, slot_frequencies
 from .shared_key_batches import AttentionSetting, SharedKeySample, StackedSequences
 from .value_latent import ValueLatent
@@ -69,7 +69,7 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
     memory, and the result comes back there."""
     slots = slot_frequencies(factors.ranks).to(device)
     setting = setting.on(device)
-    held = max(len(samples) // 10, 1) if len(samples) >= 10 else 0
+    held = held_out_count(len(samples))
     train, check = (samples[:-held], samples[-held:]) if held else (samples, samples)
     checks = StackedSequences(check, geometry, setting, slots, device).problems()
     check_rows = sum(int(p.valid.sum()) for p in checks)

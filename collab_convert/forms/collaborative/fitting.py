@@ -150,7 +150,8 @@ def _key_metric(layer: AttentionLayer, projections: Projections, metric, options
     if kept is not None and layer.prefix in kept:
         return kept[layer.prefix]
     from ...decompose.calibrated import InputMetric
-    from ...decompose.refinement import attention_key_covariance, held_out_count
+    from ...decompose.held_out_adam import held_out_count
+    from ...decompose.refinement import attention_key_covariance
 
     train = len(metric.query_samples) - held_out_count(len(metric.query_samples))
     covariance = attention_key_covariance(
