@@ -85,3 +85,16 @@ def test_a_rank_search_weighs_each_layers_keys_once_and_the_final_fit_once_more(
     assert result.rank_choice["mode"] == "fidelity target"
     # the search tried several ranks, each layer's metric computed at the first; the refined fit once more
     assert len(computed) == 2 * layers
+
+
+def test_a_full_rank_fit_skips_the_metric_it_does_not_need(tiny_bert, calibration_file, tmp_path, monkeypatch):
+    from collab_convert import CompressOptions, compress
+    from collab_convert.decompose import refinement
+
+    computed = []
+    monkeypatch.setattr(refinement, "attention_key_covariance", lambda *args, **kwargs: computed.append(args))
+    result = compress(str(tiny_bert), CompressOptions(rank=48, output=tmp_path / "out", calibration=calibration_file,
+                                                      refine_steps=5))
+    assert {layer.rank for layer in result.layers} == {48}  # the tiny BERT's full rank: exact whatever the metric
+    assert computed == []
+    assert result.fidelity["cosine_mean"] > 0.9999

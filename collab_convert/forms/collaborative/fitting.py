@@ -131,7 +131,7 @@ def _fit(source: SourceModel, layer: AttentionLayer, options: CompressOptions, r
     fit = method_named(options.method).fit(FitRequest(
         products, rank, options.max_iterations, options.tolerance, options.device, options.seed,
         query_metric=metric.query if metric else None,
-        key_metric=_key_metric(layer, projections, metric, options, key_metrics),
+        key_metric=_key_metric(layer, rank, projections, metric, options, key_metrics),
         head_weights=head_weights_of(source, layer, metric),
     ))
     bias = content_bias(projections.key_weight, projections.query_bias, layer.shape.num_heads)
@@ -140,12 +140,12 @@ def _fit(source: SourceModel, layer: AttentionLayer, options: CompressOptions, r
     return projections, fit, bias
 
 
-def _key_metric(layer: AttentionLayer, projections: Projections, metric, options: CompressOptions,
+def _key_metric(layer: AttentionLayer, rank: int, projections: Projections, metric, options: CompressOptions,
                 kept: dict | None = None):
     """The key side's metric for the calibrated fit: where calibration kept sequences, the keys' spread under the
     original attention on the ones refinement trains on (refinement.attention_key_covariance); else their plain
-    spread."""
-    if metric is None or not metric.query_samples:
+    spread, as at full rank, where the fit is exact whatever the metric."""
+    if metric is None or not metric.query_samples or rank >= layer.shape.key_dim:
         return metric.key if metric else None
     if kept is not None and layer.prefix in kept:
         return kept[layer.prefix]
