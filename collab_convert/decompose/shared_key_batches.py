@@ -208,14 +208,19 @@ class AttentionProblem:
         def product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
             return product_in(left, right, dtype)
 
+        size, heads, rows, length = probabilities.shape
         if down is None:  # the heads of a group side by side, against their group's values: no copy per head
-            size, heads, rows, length = probabilities.shape
             grouped = probabilities.reshape(size, self.values.shape[1], -1, length)
-            heads = product(grouped, self.values).reshape(size, heads, rows, -1)  # (B, H, rows, d)
+            read = product(grouped, self.values).reshape(size, heads, rows, -1).transpose(1, 2)  # (B, rows, H, d)
         else:
-            averaged = product(probabilities, product(self.stacked_values, down.T)[:, None])  # (B, H, rows, W)
-            heads = product(averaged, up.transpose(-1, -2))  # each head reads the latent through its own up-projection
-        return product(heads.transpose(1, 2).flatten(2), self.setting.output_weight.T)
+            # every head's rows against the one latent, then each head's up-projection on all its rows: two plain
+            # batched products (broadcasting the latent over heads, or the up-projections over sequences, copied
+            # them for every step's forward and summed them back in its backward)
+            latent = product(self.stacked_values, down.T)  # (B, m, W)
+            averaged = product(probabilities.reshape(size, heads * rows, length), latent)  # (B, H rows, W)
+            averaged = averaged.view(size, heads, rows, -1).transpose(0, 1).reshape(heads, size * rows, -1)
+            read = product(averaged, up.transpose(-1, -2)).view(heads, size, rows, -1).permute(1, 2, 0, 3)
+        return product(read.flatten(2), self.setting.output_weight.T)
 
     def _product(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
         return product_in(left, right, self.products)

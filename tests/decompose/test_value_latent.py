@@ -122,3 +122,19 @@ def test_candidates_are_scored_against_the_outputs_the_calibration_pass_recorded
         sample.target_output = sample.target_output * 2
     shifted = attention_output_errors(samples, factors, GEOMETRY, setting, [latent])[0]
     assert abs(shifted - recorded) > 0.1 * recorded
+
+
+def test_each_head_reads_the_latent_through_its_own_up_projection():
+    samples, _, factors, setting, _ = _layer_with_samples(recorded=True)
+    problem = StackedSequences(samples, GEOMETRY, setting, slot_frequencies(factors.ranks), targets=True).problem(
+        torch.arange(len(samples)))
+    generator = torch.Generator().manual_seed(5)
+    probabilities = torch.softmax(torch.randn(problem.target_output.shape[0], 4, problem.target_output.shape[1], 24,
+                                              generator=generator), dim=-1)
+    down = torch.randn(6, 16, generator=generator)
+    up = torch.randn(4, 8, 6, generator=generator)  # every head its own
+    latent = problem.stacked_values @ down.T  # (B, m, W)
+    heads = [probabilities[:, head] @ latent @ up[head].T for head in range(4)]  # each head alone: (B, rows, d)
+    written_out = torch.cat(heads, -1) @ setting.output_weight.T
+    expected = ((written_out - problem.target_output) ** 2).sum(-1)[problem.rows].sum()
+    assert float(problem.output_error(probabilities, down, up)) == pytest.approx(float(expected), rel=1e-5)
