@@ -42,13 +42,15 @@ class FormOffer:
     layout: Layout | SharedKeyProjections
     forward: Callable | None = None
     requires: tuple[tuple[str, tuple, str], ...] = ()
+    forward_carried: bool = False  # the checkpoint's own code restates `forward` too (checkpoint_code.INLINE_FORWARDS)
 
     @property
     def carries_code(self) -> bool:
         """Whether its checkpoints carry their modeling code (integration/checkpoint_code.py): the CP form of
         modules that call separate query and key projections in their own forward, which that code takes
-        without knowing the family."""
-        return self.form == COLLABORATIVE_FORM and isinstance(self.layout, SeparateProjections) and not self.forward
+        without knowing the family, or in a forward that code restates."""
+        return (self.form == COLLABORATIVE_FORM and isinstance(self.layout, SeparateProjections)
+                and (not self.forward or self.forward_carried))
 
 
 @dataclass(frozen=True)
@@ -101,9 +103,9 @@ class Family:
         return value
 
 
-def collaborative(layout: Layout, forward: Callable | None = None) -> FormOffer:
+def collaborative(layout: Layout, forward: Callable | None = None, forward_carried: bool = False) -> FormOffer:
     """The CP form: heads share one query and one key, each with a mixing vector."""
-    return FormOffer(COLLABORATIVE_FORM, layout, forward)
+    return FormOffer(COLLABORATIVE_FORM, layout, forward, forward_carried=forward_carried)
 
 
 def shared_key(layout: SharedKeyProjections, forward: Callable | None = None, requires=()) -> FormOffer:
@@ -175,7 +177,7 @@ FAMILIES: tuple[Family, ...] = (
         name="mpnet",
         model_types=("mpnet",),
         sites=(Site(r"(^|\.)encoder\.layer\.\d+\.attention\.attn$"),),
-        offers=(collaborative(SeparateProjections("q", "k", "v", "o"), mpnet_forward),),
+        offers=(collaborative(SeparateProjections("q", "k", "v", "o"), mpnet_forward, forward_carried=True),),
         position_bias=_handed_position_bias,
     ),
     Family(

@@ -10,9 +10,10 @@ flag is needed at all.
 
 Self-contained on purpose: it imports only torch and transformers. It knows one form (the CP form: heads share one
 query and one key, each head with a mixing vector) in families whose attention module calls
-`self.<query>(h)` and `self.<key>(h)`, views them head by head and dispatches to `ALL_ATTENTION_FUNCTIONS`; the
-record in config.json names the two projections (`projections`), so whichever checkpoint's copy of this code
-registered first in a process loads the others too. The
+`self.<query>(h)` and `self.<key>(h)`, views them head by head and dispatches to `ALL_ATTENTION_FUNCTIONS`, and
+in the modules named in INLINE_FORWARDS, which score inline (MPNet's: its forward is restated here with
+collaborative queries and keys); the record in config.json names the two projections (`projections`), so
+whichever checkpoint's copy of this code registered first in a process loads the others too. The
 shared query and the packed shared key [y W~_K, y r_1 .. y r_N] are handed out zero-padded to whole heads
 ("pseudo-heads"); the attention function below unpacks them into per-head queries [x W~_Q diag(m_i), 1] and
 keys [y W~_K, y r_i] and calls the model's real implementation with the original 1/sqrt(d_k) scaling.
@@ -108,10 +109,13 @@ _CLASSES = {}
 
 
 def _collaborative_class(original, query, key):
-    """The original module class, whose `query` and `key` projections hand out the collaborative ones."""
+    """The original module class, whose `query` and `key` projections hand out the collaborative ones (and whose
+    forward is restated where it scores inline: INLINE_FORWARDS)."""
     if (original, query, key) not in _CLASSES:
         members = {query: property(lambda self: self.collaborative_query),
                    key: property(lambda self: self.collaborative_key), "collaborative_origin": original}
+        if original.__name__ in INLINE_FORWARDS:
+            members["forward"] = INLINE_FORWARDS[original.__name__]
         _CLASSES[original, query, key] = type(f"Collaborative{original.__name__}", (CollaborativeMixin, original),
                                               members)
     return _CLASSES[original, query, key]
@@ -164,19 +168,49 @@ def collaborative_attention(module, query, key, value, attention_mask, **kwargs)
     then the model's real attention function; plain modules pass straight through."""
     if not getattr(module, "is_collaborative", False):
         return _real_attention(module)(module, query, key, value, attention_mask, **kwargs)
+    batch, heads = query.shape[0], module.mixing.shape[0]
+    queries, keys = _per_head(module, query.transpose(1, 2).reshape(batch, query.shape[2], -1),
+                              key.transpose(1, 2).reshape(batch, key.shape[2], -1))
+    if value.shape[1] != heads:
+        value = value.repeat_interleave(heads // value.shape[1], dim=1)
+    return _real_attention(module)(module, queries, keys, value, attention_mask, **kwargs)
+
+
+def _per_head(module, shared_query, packed_key):
+    """Per-head queries [x W~_Q diag(m_i), 1] and keys [y W~_K, y r_i], (B, N_h, n, R + 1), from the shared query
+    (B, n, >= R) and the packed key (B, m, >= R + N_h) (padding past them ignored)."""
     heads, rank = module.mixing.shape
-    batch = query.shape[0]
-    shared_query = query.transpose(1, 2).reshape(batch, query.shape[2], -1)[..., :rank]
-    packed_key = key.transpose(1, 2).reshape(batch, key.shape[2], -1)
+    batch = shared_query.shape[0]
     shared_key, bias = packed_key[..., :rank], packed_key[..., rank : rank + module.content_bias.shape[0]]
-    queries = shared_query.unsqueeze(1) * module.mixing[None, :, None, :].to(query.dtype)
+    queries = shared_query[..., :rank].unsqueeze(1) * module.mixing[None, :, None, :].to(shared_query.dtype)
     keys = shared_key.unsqueeze(1).expand(batch, heads, *shared_key.shape[1:])
     if bias.shape[-1]:  # the content bias: a column of ones against each head's y . r_i
         queries = torch.cat([queries, queries.new_ones(*queries.shape[:-1], 1)], dim=-1)
         keys = torch.cat([keys, bias.transpose(1, 2).unsqueeze(-1)], dim=-1)
-    if value.shape[1] != heads:
-        value = value.repeat_interleave(heads // value.shape[1], dim=1)
-    return _real_attention(module)(module, queries, keys, value, attention_mask, **kwargs)
+    return queries, keys
+
+
+def _mpnet_forward(self, hidden_states, attention_mask=None, position_bias=None, output_attentions=False, **kwargs):
+    """MPNetSelfAttention.forward (transformers 5), which scores inline: the same with per-head collaborative
+    queries and keys, scaled by the original 1/sqrt(d_k)."""
+    input_shape = hidden_states.shape[:-1]
+    packed = torch.cat([self.shared_key.weight, self.content_bias])
+    queries, keys = _per_head(self, nn.functional.linear(hidden_states, self.shared_query.weight),
+                              nn.functional.linear(hidden_states, packed))
+    values = self.v(hidden_states).view(*input_shape, -1, self.attention_head_size).transpose(1, 2)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) / math.sqrt(self.attention_head_size)
+    if position_bias is not None:
+        scores = scores + position_bias
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    probabilities = self.dropout(nn.functional.softmax(scores, dim=-1))
+    context = torch.matmul(probabilities, values).permute(0, 2, 1, 3).contiguous()
+    output = self.o(context.view(*context.shape[:-2], self.all_head_size))
+    return (output, probabilities) if output_attentions else (output,)
+
+
+# Modules that score inline rather than through ALL_ATTENTION_FUNCTIONS, by class name: their forward restated
+INLINE_FORWARDS = {"MPNetSelfAttention": _mpnet_forward}
 
 
 def _strip(name, prefix):

@@ -138,10 +138,11 @@ def test_no_output_form_loads_silently_wrong_without_our_package(plain_loads):
 @pytest.mark.slow
 def test_encoders_in_the_cp_form_load_right_with_their_own_code_where_the_user_trusts_it(plain_loads):
     """BERT-like, DistilBERT, ALBERT and ViT modules run their own forward over separate query and key projections:
-    the code the checkpoint carries swaps them as our loader does, with no collab_convert to import."""
+    the code the checkpoint carries swaps them as our loader does, with no collab_convert to import. MPNet scores
+    inline (with its relative position bias): the carried code restates that forward."""
     trusted = {name: seen for name, (expected, seen, _) in plain_loads.items() if expected == "our loader's outputs"}
     assert {name.split(" ")[0] for name in trusted} == {"bert", "roberta", "xlm-roberta", "electra", "distilbert",
-                                                       "albert", "vit", "deit"}
+                                                       "albert", "vit", "deit", "mpnet"}
     assert all(seen.get("difference", 1.0) <= 1e-5 for seen in trusted.values()), trusted
 
 
