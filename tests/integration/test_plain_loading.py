@@ -17,7 +17,8 @@ from collab_convert import CompressOptions, compress
 from fixtures.models import FAMILY_CASES, ROTARY_CASES, build_family, build_rotary
 
 # Loads each checkpoint with transformers alone and prints what became of it: refused (and the error's last line),
-# or its outputs' largest difference from a reference folder loaded the same way.
+# or its outputs' largest difference from a reference folder loaded the same way. Encoders get a padded batch of
+# two, so the carried code's masking is compared too.
 PLAIN = r"""
 import sys
 sys.modules["collab_convert"] = None  # not installed: any import of it fails
@@ -30,7 +31,9 @@ def outputs(folder, auto, kind, trust=False):
     if kind == "vision":
         inputs = {"pixel_values": torch.randn(1, 3, 16, 16, generator=generator)}
     else:
-        inputs = {"input_ids": torch.randint(3, 50, (1, 12), generator=generator)}
+        inputs = {"input_ids": torch.randint(3, 50, (2 if kind == "text" else 1, 12), generator=generator)}
+        if kind == "text":  # a padded batch, as sentence-transformers sends one
+            inputs["attention_mask"] = torch.tensor([[1] * 12, [1] * 7 + [0] * 5])
         if kind == "seq2seq":
             inputs["decoder_input_ids"] = torch.randint(3, 50, (1, 7), generator=generator)
     with torch.no_grad():
@@ -62,7 +65,9 @@ def _ours(folder, auto, kind):
     if kind == "vision":
         inputs = {"pixel_values": torch.randn(1, 3, 16, 16, generator=generator)}
     else:
-        inputs = {"input_ids": torch.randint(3, 50, (1, 12), generator=generator)}
+        inputs = {"input_ids": torch.randint(3, 50, (2 if kind == "text" else 1, 12), generator=generator)}
+        if kind == "text":
+            inputs["attention_mask"] = torch.tensor([[1] * 12, [1] * 7 + [0] * 5])
     with torch.no_grad():
         result = model(**inputs)
     return result.logits if hasattr(result, "logits") else result.last_hidden_state
