@@ -66,9 +66,12 @@ class _Batch:
     @classmethod
     def of(cls, x, y, mask, row_weights, original_scores, rows: int, entropy: bool = True) -> "_Batch":
         """`row_weights` (B, H, n, 1): 0 on padding rows, else the head's weight (1 when heads weigh alike)."""
-        target = torch.log_softmax(original_scores + mask, dim=-1)
+        scores = original_scores.add_(mask)  # the scores are this batch's own: added in place
+        if not entropy:  # the probabilities alone (a step's target, the key metric): one pass, not two
+            return cls(x, y, mask, rows, torch.softmax(scores, dim=-1).mul_(row_weights), 0.0)
+        target = torch.log_softmax(scores, dim=-1)
         target_p = target.exp().mul_(row_weights)
-        return cls(x, y, mask, rows, target_p, float((target_p * target).sum()) if entropy else 0.0)
+        return cls(x, y, mask, rows, target_p, float((target_p * target).sum()))
 
 
 def product_in(left: torch.Tensor, right: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -126,14 +129,18 @@ class _Packed:
     half the memory of float32 copies, with the targets' scores computed in float32."""
 
     @torch.no_grad()
-    def __init__(self, queries, keys, query_weight, query_bias, key_weight, heads: int, device):
+    def __init__(self, queries, keys, query_weight, query_bias, key_weight, heads: int, device,
+                 every_query: bool = True):
+        """`every_query`: project every query row once (a refinement draws rows again at each step); False: only
+        the rows a batch draws, when it draws them (the key metric draws each sequence's rows once)."""
         self.x, self.query_starts, self.query_lengths = _packed(queries, device)
         same = all(y is x for x, y in zip(queries, keys))  # self-attention samples: one tensor for both sides
         self.y, self.key_starts, self.key_lengths = (self.x, self.query_starts, self.query_lengths) if same \
             else _packed(keys, device)
         query_weight, key_weight = (w.to(device, torch.float32) for w in (query_weight, key_weight))
         bias = query_bias.to(device, torch.float32) if query_bias is not None else 0.0
-        self.queries = _projected(self.x, query_weight, bias, heads)
+        self.heads, self.query_weight, self.query_bias = heads, query_weight, bias
+        self.queries = _projected(self.x, query_weight, bias, heads) if every_query else None
         self.keys = _projected(self.y, key_weight, 0.0, heads)
 
     def __len__(self) -> int:
@@ -161,7 +168,11 @@ class _Packed:
         rows_at = (self.query_starts[chosen][:, None] + picks).clamp(max=self.x.shape[0] - 1)  # (B, rows)
         keys_at = (self.key_starts[chosen][:, None] + torch.arange(width, device=device)).clamp(
             max=self.y.shape[0] - 1)  # (B, m)
-        q = _rows(self.queries, rows_at).float().transpose(1, 2)  # (B, H, rows, d)
+        x = _rows(self.x, rows_at).float()
+        if self.queries is not None:
+            q = _rows(self.queries, rows_at).float().transpose(1, 2)  # (B, H, rows, d)
+        else:
+            q = (x @ self.query_weight.T + self.query_bias).view(*rows_at.shape, self.heads, -1).transpose(1, 2)
         k = _rows(self.keys, keys_at).float().permute(0, 2, 3, 1)  # (B, H, d, m)
         key_mask = (torch.arange(width, device=device) < key_lengths[:, None])[:, None, None, :]
         if causal:
@@ -173,8 +184,8 @@ class _Packed:
         weights = real[:, None, :, None].float()
         if head_weights is not None:
             weights = weights * head_weights.to(weights)[None, :, None, None]
-        return _Batch.of(_rows(self.x, rows_at).float(), _rows(self.y, keys_at).float(), mask, weights,
-                         torch.matmul(q, k) * scaling, int(real.sum()) * heads, entropy)
+        return _Batch.of(x, _rows(self.y, keys_at).float(), mask, weights, torch.matmul(q * scaling, k),
+                         int(real.sum()) * heads, entropy)
 
 
 def _original_attention(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal,
@@ -182,7 +193,8 @@ def _original_attention(queries, keys, query_weight, query_bias, key_weight, num
                         head_weights=None, sequences: int = 32, entropy: bool = True) -> Iterator[_Batch]:
     """The original attention of every sequence, in batches of `sequences` of similar length, each made as it is
     asked for: at all query positions, or at `rows` of them per sequence, drawn once with `seed`."""
-    packed = _Packed(queries, keys, query_weight, query_bias, key_weight, num_heads, device)
+    # each sequence's rows are drawn once here: only those are projected
+    packed = _Packed(queries, keys, query_weight, query_bias, key_weight, num_heads, device, every_query=False)
     order = sorted(range(len(packed)), key=lambda i: (queries[i].shape[0], keys[i].shape[0]))
     generator = torch.Generator().manual_seed(seed)
     if position_bias is not None:
