@@ -194,9 +194,7 @@ def _mpnet_forward(self, hidden_states, attention_mask=None, position_bias=None,
     """MPNetSelfAttention.forward (transformers 5), which scores inline: the same with per-head collaborative
     queries and keys, scaled by the original 1/sqrt(d_k)."""
     input_shape = hidden_states.shape[:-1]
-    packed = torch.cat([self.shared_key.weight, self.content_bias])
-    queries, keys = _per_head(self, nn.functional.linear(hidden_states, self.shared_query.weight),
-                              nn.functional.linear(hidden_states, packed))
+    queries, keys = _per_head(self, self.collaborative_query(hidden_states), self.collaborative_key(hidden_states))
     values = self.v(hidden_states).view(*input_shape, -1, self.attention_head_size).transpose(1, 2)
     scores = torch.matmul(queries, keys.transpose(-1, -2)) / math.sqrt(self.attention_head_size)
     if position_bias is not None:
