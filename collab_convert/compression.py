@@ -18,6 +18,7 @@ import torch
 
 from .architectures.source import SourceModel, open_model
 from .errors import first_line
+from .format import CHECKPOINT_CODE
 from .forms import Form, FormPlan, form_named
 from .io.folders import StagedOutput, copy_non_weight_files, record_dtype, weights_on_disk
 from .options import CompressOptions, gate_failures
@@ -113,6 +114,7 @@ def _stages(source: SourceModel, form: Form, form_plan: FormPlan, options: Compr
         rank_choice=size_choice, threads=threads, warnings=[warning] if warning else [],
     )
     form.write_record(source, reports, staged.folder, options, statistics)
+    files += [CHECKPOINT_CODE] if (staged.folder / CHECKPOINT_CODE).exists() else []
     written = written_dtype(source, options.dtype)
     if written is not None:  # the weights were written in one precision: transformers loads them in it
         record_dtype(staged.folder, written)

@@ -13,17 +13,18 @@ import copy
 
 import json
 import re
-import shutil
 import time
 from pathlib import Path
 
 from .errors import BadInputError, first_line
+from .format import CHECKPOINT_CODE, original_config
 from .io.folders import StagedOutput, check_output, copy_non_weight_files, read_config, resolve_model
 from .options import ExportOptions
 from .progress import Progress, no_progress
 from .results import ExportResult
 
-COMPRESS_PLOTS = frozenset({"spectra.svg", "errors.svg"})
+# compress's pictures describe the fit, not the runtime model; the modeling code is for PyTorch loads
+NOT_FOR_THE_RUNTIME = frozenset({"spectra.svg", "errors.svg", CHECKPOINT_CODE})
 
 
 def export(model: str, options: ExportOptions, progress: Progress = no_progress) -> ExportResult:
@@ -70,10 +71,11 @@ def _export_onnx(model: str, options: ExportOptions, progress: Progress = no_pro
         if not check.max_abs_difference <= options.tolerance:
             raise BadInputError(f"onnxruntime differs from PyTorch by {check.max_abs_difference:.2e} (more than "
                                 f"--tolerance {options.tolerance:g}); nothing was written")
-        # compress's pictures describe the fit, not the runtime model
-        files = ["model.onnx"] + copy_non_weight_files(folder, staged.folder, COMPRESS_PLOTS)
-        if (folder / "config.json").is_file():  # runtimes (optimum, transformers.js) read the model type there
-            shutil.copy2(folder / "config.json", staged.folder / "config.json")
+        files = ["model.onnx"] + copy_non_weight_files(folder, staged.folder, NOT_FOR_THE_RUNTIME)
+        if (folder / "config.json").is_file():  # runtimes (optimum, transformers.js) read the model type there:
+            # the original's, which a guarded checkpoint keeps in its record (the graph needs no code of ours)
+            config = original_config(read_config(folder))
+            (staged.folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
             files.append("config.json")
         result = ExportResult(
             model=model, output=str(output), format=options.format, kind=kind,

@@ -44,9 +44,14 @@ FORMS = (COLLABORATIVE_FORM, SHARED_KEY_FORM, MULTI_QUERY_FORM)
 MULTI_QUERY_RECORD = "collab_convert"  # config.json key of the multi-query form's provenance; transformers ignores it
 _OLD_FORM_NAMES = {"rotary-shared-key": SHARED_KEY_FORM}  # what format 1 records called the shared-key form
 
-# The modeling code an encoder's CP checkpoint carries (integration/checkpoint_code.py), named by config.json's
+# The modeling code a guarded checkpoint carries (integration/checkpoint_code.py), named by config.json's
 # auto_map: transformers runs it only with trust_remote_code=True.
 CHECKPOINT_CODE = "collaborative_modeling.py"
+# A guarded checkpoint declares model_type "collaborative_<original>", which transformers does not know: alone it
+# refuses to load it (naming trust_remote_code) rather than build its own class around tensors it cannot place,
+# and no flag (ignore_mismatched_sizes) gets past that. The record keeps the original model_type; collab-convert
+# registers every such type to read as the original's config (integration/loading.py).
+MODEL_TYPE_PREFIX = "collaborative_"
 
 SHARED_QUERY = "shared_query.weight"
 SHARED_KEY = "shared_key.weight"
@@ -71,8 +76,10 @@ FUSED_QUERY = "query_projection"
 def load_guard(replaced: list[str], dtype: torch.dtype) -> TensorSpec | None:
     """A tensor under the name of a projection the form replaced, holding no numbers. transformers without
     collab-convert skips our quantization_config and would initialise the lost projection at random and load on,
-    silently wrong; this tensor's shape cannot be the projection's, so it refuses to load (a size mismatch)
-    instead. Our loader ignores it. None where the form replaces nothing (the model then loads as the original)."""
+    silently wrong. The checkpoint's own model_type (MODEL_TYPE_PREFIX) stops the Auto classes; a model class named
+    directly reads any model_type, and then this tensor's shape, which cannot be the projection's, makes it refuse
+    (a size mismatch). Our loader ignores it. None where the form replaces nothing (the model then loads as the
+    original)."""
     weights = [name for name in replaced if name.endswith(".weight")]
     return TensorSpec(weights[0], dtype, (0,)) if weights else None
 
@@ -185,13 +192,32 @@ def is_collaborative(config: dict[str, Any]) -> bool:
     return (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
 
 
+def guarded_model_type(model_type: str) -> str:
+    """The model_type a guarded checkpoint of `model_type` declares (MODEL_TYPE_PREFIX)."""
+    return MODEL_TYPE_PREFIX + model_type
+
+
+def original_config(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json of a guarded checkpoint as the original model's config reads it: its own model_type back (the
+    record keeps it) and no auto_map (which names the carried code, for loads without collab-convert). Any other
+    config is returned as it is."""
+    # not "model_type" in the record: a config class reading a dict of another type takes any nested dict whose
+    # model_type is its own for the whole config
+    record = config.get("quantization_config") or {}
+    original = record.get("original_model_type") if is_collaborative(config) else None
+    if not isinstance(original, str) or config.get("model_type") != guarded_model_type(original):
+        return config
+    return {**{key: value for key, value in config.items() if key != "auto_map"}, "model_type": original}
+
+
 def write_config(original: dict[str, Any], family: str, method: str | None, layers: dict[str, dict[str, Any]],
-                 folder: Path, format_version: int = 1, auto_map: dict[str, str] | None = None,
+                 folder: Path, format_version: int = 1, guarded: bool = False, auto_map: dict[str, str] | None = None,
                  projections: dict[str, str] | None = None) -> None:
-    """config.json of the output: the original's, untouched `architectures`/`model_type`, plus the record (the
-    decomposition method only where one was used: the CP form's). Where the checkpoint carries its modeling code
-    (CHECKPOINT_CODE), `auto_map` names its classes and the record names the replaced `projections`, which that
-    code reads."""
+    """config.json of the output: the original's, untouched `architectures`, plus the record (the decomposition
+    method only where one was used: the CP form's). A `guarded` checkpoint (one transformers alone must not load as
+    the original) declares its own model_type (MODEL_TYPE_PREFIX), and the record keeps the original's. Where it
+    carries its modeling code (CHECKPOINT_CODE), `auto_map` names its classes; the record names the replaced
+    `projections` where that code runs the form."""
     config = dict(original)
     record = FormatConfig(family=family, layers=layers, format_version=format_version, tool_version=__version__,
                           method=method)
@@ -200,8 +226,12 @@ def write_config(original: dict[str, Any], family: str, method: str | None, laye
         for key in ("quant_method", "format_version", "tool_version", "method", "family", "layers")
         if key != "method" or method is not None
     }
+    if guarded and isinstance(original.get("model_type"), str):
+        config["model_type"] = guarded_model_type(original["model_type"])
+        config["quantization_config"]["original_model_type"] = original["model_type"]
     if auto_map:
         config["auto_map"] = auto_map
+    if projections:
         config["quantization_config"]["projections"] = projections
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 

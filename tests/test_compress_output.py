@@ -6,6 +6,7 @@ import pytest
 from safetensors import safe_open
 
 from collab_convert import CompressOptions, compress
+from collab_convert.format import original_config
 from collab_convert.io.reader import TensorReader
 from collab_convert.errors import BadInputError, OutputExistsError
 from fixtures.models import folder_digest
@@ -20,7 +21,9 @@ def test_output_is_a_complete_hugging_face_folder(tiny_bert, tmp_path):
     original = json.loads((tiny_bert / "config.json").read_text())
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == original["architectures"]
-    assert config["model_type"] == original["model_type"]
+    # its own model_type, so that transformers alone refuses it; read through the record, the original's
+    assert config["model_type"] == "collaborative_" + original["model_type"]
+    assert original_config(config)["model_type"] == original["model_type"] and "auto_map" not in original_config(config)
     recorded = config["quantization_config"]
     assert recorded["quant_method"] == "collaborative"
     assert recorded["method"] == "tucker-cp-als"

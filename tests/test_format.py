@@ -14,6 +14,7 @@ from collab_convert.format import (
     collaborative_tensors,
     is_collaborative,
     layer_form,
+    original_config,
     write_config,
 )
 
@@ -44,6 +45,21 @@ def test_config_records_the_transform_next_to_untouched_architecture(tmp_path):
     assert record["layers"] == {"a": {"rank": 4, "num_heads": 2}, "b": {"rank": 4, "num_heads": 4, "kv_heads": 1}}
     read = FormatConfig(**{k: v for k, v in record.items() if k != "quant_method"})
     assert read.layer_shapes() == {"a": (4, HeadCounts(2, 2)), "b": (4, HeadCounts(4, 1))}
+
+
+def test_a_guarded_checkpoint_declares_its_own_model_type_and_records_the_original(tmp_path):
+    """transformers alone refuses a model_type it does not know; read through the record, the config is the
+    original's again, without the auto_map that names the carried code."""
+    original = {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": 10}
+    layers = {"a": FormatConfig.layer_entry(4, HeadCounts(2, 2))}
+    write_config(original, "bert", "tucker-cp-als", layers, tmp_path, guarded=True,
+                 auto_map={"AutoConfig": "collaborative_modeling.CollaborativeBertConfig"})
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["model_type"] == "collaborative_bert" and written["architectures"] == ["BertModel"]
+    assert written["quantization_config"]["original_model_type"] == "bert"
+    read = original_config(written)
+    assert read["model_type"] == "bert" and "auto_map" not in read and is_collaborative(read)
+    assert original_config(original) is original  # any other config is read as it is
 
 
 def test_a_newer_format_is_refused_with_what_to_do():

@@ -1,12 +1,14 @@
-"""Collaborative attention for transformers, without collab-convert: the modeling code a CP checkpoint carries.
+"""Collaborative attention for transformers, without collab-convert: the modeling code a guarded checkpoint carries.
 
-compress copies this file into an encoder's CP checkpoint as `collaborative_modeling.py`, adds the projection
-names and the model classes config.json's `auto_map` names, and the checkpoint loads the way the ecosystem loads
-custom architectures: `AutoModel.from_pretrained(folder, trust_remote_code=True)`,
-`SentenceTransformer(folder, trust_remote_code=True)`, `pipeline(..., trust_remote_code=True)`. Without that flag
-transformers runs no code of ours and loads its own class, which the checkpoint's load guards refuse (a size
-mismatch): never random query/key weights. Where collab-convert is installed, its own loader takes over, and no
-flag is needed at all.
+compress copies this file into every checkpoint that transformers alone must not load as the original model (the
+CP form; the shared-key form where it replaces a projection) as `collaborative_modeling.py`, adds a config class
+under the checkpoint's own model_type ("collaborative_<original>") and the model classes config.json's `auto_map`
+names. Without `trust_remote_code=True` transformers runs none of it: it refuses the unknown model_type and says
+to pass that flag, so no flag makes it load random query/key weights. With the flag, the checkpoint loads the way
+the ecosystem loads custom architectures (`AutoModel.from_pretrained(folder, trust_remote_code=True)`,
+`SentenceTransformer(folder, trust_remote_code=True)`, `pipeline(..., trust_remote_code=True)`) where this code
+runs its form, and is refused with a line saying to install collab-convert where it does not. Where collab-convert
+is installed, its own loader takes over, and no flag is needed at all.
 
 Self-contained on purpose: it imports only torch and transformers. It knows one form (the CP form: heads share one
 query and one key, each head with a mixing vector) in families whose attention module calls
@@ -56,10 +58,11 @@ class CollaborativeRecord(QuantizationConfigMixin):
             raise _needs_the_package(f"this checkpoint uses collaborative format {format_version}")
         forms = {entry.get("form") or QUANT_METHOD for entry in self.layers.values()}
         if forms != {QUANT_METHOD}:
-            raise _needs_the_package(f"this checkpoint holds the {sorted(forms - {QUANT_METHOD})} form")
+            raise _needs_the_package(f"this checkpoint holds the {', '.join(sorted(forms - {QUANT_METHOD}))} form")
         projections = getattr(self, "projections", None)
         if not isinstance(projections, dict) or not {"query", "key"} <= set(projections):
-            raise _needs_the_package("this checkpoint's record names no query and key projections")
+            raise _needs_the_package(f"this {family} checkpoint's collaborative attention runs only in "
+                                     "collab-convert's own code")
 
     def to_dict(self):
         return {**self.__dict__, "quant_method": QUANT_METHOD}

@@ -50,12 +50,12 @@ class GgufShape:
 
 
 def shape_of(config: dict) -> GgufShape:
+    if config.get("quantization_config"):  # (whose model_type is then its own: format.MODEL_TYPE_PREFIX)
+        raise BadInputError("this checkpoint loads through collab-convert's own modules, which llama.cpp does not "
+                            "have: export a stock one (compress with --kv-cache, the multi-query form)")
     if config.get("model_type") not in STOCK_TYPES:
         raise BadInputError(f"GGUF export writes llama.cpp's llama architecture from llama, mistral or qwen2 "
                             f"checkpoints, not model_type {config.get('model_type')!r}")
-    if config.get("quantization_config"):
-        raise BadInputError("this checkpoint loads through collab-convert's own modules, which llama.cpp does not "
-                            "have: export a stock one (compress with --kv-cache, the multi-query form)")
     heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
     head_dim = int(config.get("head_dim") or hidden // heads)
     return GgufShape(int(config["num_hidden_layers"]), heads, int(config.get("num_key_value_heads") or heads),

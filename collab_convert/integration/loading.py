@@ -1,10 +1,11 @@
 """Loading collaborative checkpoints through transformers' own from_pretrained.
 
 The checkpoint records the transform under config.json's `quantization_config` (quant_method
-"collaborative"), next to untouched `architectures` and `model_type`. Importing collab_convert registers a
-quantization config and quantizer for that method; the quantizer swaps the recorded attention modules for
-their collaborative form while the model skeleton is still empty, so the weights load by name. This uses
-transformers' public registration API and no remote code.
+"collaborative"), next to untouched `architectures`; a guarded one declares model_type "collaborative_<original>"
+and the record keeps the original's (format.original_config). Importing collab_convert registers a quantization
+config and quantizer for that method, and each such model_type as one that reads as the original's config; the
+quantizer swaps the recorded attention modules for their collaborative form while the model skeleton is still
+empty, so the weights load by name. This uses transformers' public registration API and no remote code.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 
 import torch
 from transformers import AutoConfig, AutoModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.quantizers import (
     HfQuantizer,
     register_quantization_config,
@@ -24,9 +26,10 @@ from transformers.quantizers.auto import (
 )
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from ..architectures.families import FAMILIES
 from ..architectures.lookup import family_named
 from ..errors import BadInputError, first_line
-from ..format import QUANT_METHOD, FormatConfig
+from ..format import QUANT_METHOD, FormatConfig, guarded_model_type, original_config
 from ..modeling.swap import collaborate_model
 
 
@@ -104,12 +107,35 @@ def _ignore_load_guards(model, converted: list[str], base: str | None) -> None:
     model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | patterns
 
 
+def _read_as_original(config_dict, **kwargs):
+    original = original_config(config_dict)
+    return CONFIG_MAPPING[original["model_type"]].from_dict(original, **kwargs)
+
+
+def _register_guarded_model_types() -> None:
+    """A guarded checkpoint declares model_type "collaborative_<original>" (format.MODEL_TYPE_PREFIX), so that
+    transformers alone refuses it. Here each such type reads as the original's config, record and all: AutoConfig,
+    and so AutoModel, sentence-transformers and pipelines, load it through the quantizer above, with no remote
+    code and no flag."""
+    from transformers import PreTrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    for model_type in sorted({t for family in FAMILIES for t in family.model_types} & set(CONFIG_MAPPING_NAMES)):
+        name = guarded_model_type(model_type)
+        if name not in CONFIG_MAPPING:
+            reads = classmethod(lambda cls, config_dict, **kwargs: _read_as_original(config_dict, **kwargs))
+            reader = type(f"Guarded{CONFIG_MAPPING_NAMES[model_type]}", (PreTrainedConfig,),
+                          {"model_type": name, "from_dict": reads})
+            AutoConfig.register(name, reader)
+
+
 def register() -> None:
     """Idempotent: importing collab_convert twice, or reloading it, must not fail."""
     if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         register_quantization_config(QUANT_METHOD)(CollaborativeConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(QUANT_METHOD)(CollaborativeQuantizer)
+    _register_guarded_model_types()
 
 
 def for_measuring(model):
@@ -163,14 +189,15 @@ def load_model(path, auto_class=None, **kwargs):
     knows (BertForMaskedLM -> that class), else AutoModel.
     """
     register()
+    # read as the original model's config (a guarded checkpoint declares a model_type of its own)
+    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(path)
     if auto_class is None:
-        config = AutoConfig.from_pretrained(path)
         import transformers
 
         architectures = getattr(config, "architectures", None) or []
         auto_class = getattr(transformers, architectures[0], None) if len(architectures) == 1 else None
         auto_class = auto_class or AutoModel
-    return auto_class.from_pretrained(path, **kwargs)
+    return auto_class.from_pretrained(path, config=config, **kwargs)
 
 
 register()  # importing this module first imports transformers; the import hook leaves registering to here

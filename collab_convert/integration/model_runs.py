@@ -58,9 +58,11 @@ def calibration_tokenizer(folder: Path):
 def calibration_batches(folder: Path, texts: list[str], run: CalibrationRun) -> CalibrationBatches:
     """The texts as token batches, each cut where the model's position embeddings end."""
     from ..architectures.lookup import within_positions
+    from ..format import original_config
     from ..io.folders import read_config
 
-    length = within_positions(read_config(folder), run.max_length)
+    # a compressed folder (the fidelity check's) positions its tokens as the original model does
+    length = within_positions(original_config(read_config(folder)), run.max_length)
     return token_batches(calibration_tokenizer(folder), texts, length, run.token_budget, batch_tokens(run.width))
 
 

@@ -33,24 +33,33 @@ class CardSource:
 CARRIED_CODE = (f"Without collab-convert, pass `trust_remote_code=True` (transformers' Auto classes, "
                 "sentence-transformers, pipelines): the modeling code travels with the checkpoint "
                 f"({CHECKPOINT_CODE}; it imports only torch and transformers). Without that flag transformers "
-                "refuses the checkpoint rather than load it with random query and key weights, unless told "
-                "`ignore_mismatched_sizes=True`: fine-tune it with that flag only after `import collab_convert` "
-                "or with `trust_remote_code=True`.")
+                "refuses the checkpoint, whose model_type is its own, rather than load it with random query and key "
+                "weights; no other flag gets past that.")
 
-# A form that needs our loader and carries no code: what transformers alone does with it (format.load_guard)
-GUARDED = ("Without collab-convert, transformers refuses the checkpoint (a size mismatch on a guard tensor) rather "
-           "than load it with random weights where the attention was rewritten, unless told "
-           "`ignore_mismatched_sizes=True`: pass that flag only after `import collab_convert`.")
+# A form that needs our loader: what transformers alone does with it (format.MODEL_TYPE_PREFIX)
+GUARDED = ("Without collab-convert, transformers refuses the checkpoint, whose model_type is its own, rather than "
+           "load it with random weights where the attention was rewritten; with `trust_remote_code=True` the code it "
+           f"carries ({CHECKPOINT_CODE}) refuses too, and says to install collab-convert.")
 
 UNGUARDED = ("Without collab-convert, transformers loads the original model from it (every weight the rewrite uses "
              "beside the original's is ignored, and none was removed): import collab_convert to run the rewrite.")
 
 
 def _without_us(card, folder: Path) -> list[str]:
-    """What the card says of loading without collab-convert, where no code travels with the checkpoint."""
+    """What the card says of loading without collab-convert."""
     if not card.guarded:
         return []
-    return [GUARDED if _has_guards(folder) else UNGUARDED]
+    if not _has_guards(folder):
+        return [UNGUARDED]
+    return [CARRIED_CODE if _runs_in_carried_code(folder) else GUARDED]
+
+
+def _runs_in_carried_code(folder: Path) -> bool:
+    """Whether the code the checkpoint carries runs its form: its record then names the projections it replaces."""
+    import json
+
+    record = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("quantization_config") or {}
+    return (folder / CHECKPOINT_CODE).exists() and bool(record.get("projections"))
 
 
 def _has_guards(folder: Path) -> bool:
@@ -97,7 +106,7 @@ def write_model_card(result: "CompressResult", form, source: CardSource, folder:
         *summary_lines(result, form, texts=False),
         "",
         card.loading,
-        *([CARRIED_CODE] if (folder / CHECKPOINT_CODE).exists() else _without_us(card, folder)),
+        *_without_us(card, folder),
         "Details per layer are in report.md.",
         "",
     ]

@@ -75,7 +75,9 @@ def test_the_checkpoint_records_the_form_and_how_the_budget_splits(tmp_path):
     build_rotary(case, tmp_path / "in")
     compress(str(tmp_path / "in"), CompressOptions(rank=16, output=tmp_path / "out"))
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    # a model_type of its own, so that transformers alone refuses it; the original's kept in the record
+    assert config["model_type"] == "collaborative_llama" and config["architectures"] == ["LlamaForCausalLM"]
+    assert config["quantization_config"]["original_model_type"] == "llama"
     layers = config["quantization_config"]["layers"]
     assert len(layers) == 2
     for entry in layers.values():

@@ -31,6 +31,10 @@ def test_a_compressed_encoder_runs_in_onnxruntime_as_in_pytorch(tiny_bert, tmp_p
     assert result.max_abs_difference <= 1e-4
     assert "model.onnx" in result.files and "tokenizer.json" in result.files
     assert not any(name.endswith(".svg") for name in result.files)  # compress's plots stay behind
+    # runtimes (optimum, transformers.js) read the original's model type; the graph needs no modeling code
+    config = json.loads((tmp_path / "onnx" / "config.json").read_text())
+    assert config["model_type"] == "bert" and "auto_map" not in config
+    assert "collaborative_modeling.py" not in result.files
     # a batch of another size and length than the traced example, with padding
     inputs = dict(token_batch, token_type_ids=torch.zeros_like(token_batch["input_ids"]))
     ours = _session_outputs(tmp_path / "onnx", inputs)

@@ -222,9 +222,9 @@ def write_format_config(source: SourceModel, reports: list[CollaborativeLayerRep
                                                by_prefix[r.name].stores_content_bias(calibrated))
               for r in reports}
     offer = source.family.offer(COLLABORATIVE_FORM)
-    # loadable with trust_remote_code=True where collab-convert is not installed
-    auto_map = write_checkpoint_code(folder, source.config) if offer.carries_code else {}
-    # the carried code reads the names of the projections it replaces from the record (separate ones, where it goes)
-    projections = {"query": offer.layout.query, "key": offer.layout.key} if auto_map else None
-    write_config(source.config, source.family.name, method, layers, folder, auto_map=auto_map,
+    auto_map = write_checkpoint_code(folder, source.config)
+    # where the carried code runs the form (with trust_remote_code=True, without collab-convert), it reads the names
+    # of the separate projections it replaces from the record
+    projections = {"query": offer.layout.query, "key": offer.layout.key} if offer.carries_code and auto_map else None
+    write_config(source.config, source.family.name, method, layers, folder, guarded=True, auto_map=auto_map,
                  projections=projections)

@@ -26,8 +26,10 @@ from ...format import (
     SHARED_KEY_BIAS,
     FormatConfig,
     HeadCounts,
+    load_guard,
     write_config,
 )
+from ...integration.remote_code import write_checkpoint_code
 from ...options import CompressOptions
 from ...progress import DETAIL, Progress
 from ...results import SharedKeyLayerReport, rounded
@@ -207,4 +209,8 @@ def write_shared_key_config(source: SourceModel, reports: list[SharedKeyLayerRep
         entry = FormatConfig.shared_key_entry(HeadCounts(layer.shape.num_heads, layer.kv_heads), layer.shape.head_dim,
                                               layer.rotary_dim, report.frequency_ranks, report.pass_rank)
         layers[report.name] = {**entry, **({"key_norm": True} if normed else {})}
-    write_config(source.config, source.family.name, None, layers, folder, format_version=format_version)
+    # a form that replaces no projection (a key norm keeps the key projection) loads as the original model
+    guarded = any(load_guard(layer.replaced, torch.float32) for layer in source.layers)
+    auto_map = write_checkpoint_code(folder, source.config) if guarded else {}
+    write_config(source.config, source.family.name, None, layers, folder, format_version=format_version,
+                 guarded=guarded, auto_map=auto_map)
