@@ -287,9 +287,9 @@ def verify(model: str, against: str | None, texts: list[str], thresholds: dict[s
         raise BadInputError(f"{model} records no base model (no report.json of collab-convert's); give --against "
                             "MODEL")
     base_folder = resolve_model(against)
-    tokenizer = load_tokenizer(folder, f"verifying {model}")
     config = AutoConfig.from_pretrained(base_folder)
     check_same_shape(model, AutoConfig.from_pretrained(folder), against, config)
+    tokenizer = load_tokenizer(folder, f"verifying {model}")
     causal = is_language_model(config.architectures)
     max_length = within_positions(config.to_dict(), max_length)
     # On a CPU both run in float32 whatever they store (compress --dtype f16, a bf16 original): the figures then

@@ -109,6 +109,10 @@ def _ignore_load_guards(model, converted: list[str], base: str | None) -> None:
 
 def _read_as_original(config_dict, **kwargs):
     original = original_config(config_dict)
+    if original is config_dict or original["model_type"] not in CONFIG_MAPPING:
+        raise BadInputError(f"config.json's model_type {config_dict.get('model_type')!r} is a collaborative "
+                            "checkpoint's, but its record names no original model type transformers knows: the "
+                            "checkpoint was altered; compress the original model again")
     return CONFIG_MAPPING[original["model_type"]].from_dict(original, **kwargs)
 
 

@@ -227,3 +227,22 @@ def test_our_loader_reads_a_guarded_checkpoint_without_a_warning(tmp_path, caplo
     with caplog.at_level("WARNING"):
         collab_convert.load_model(tmp_path / "out", AutoModel)
     assert not [record for record in caplog.records if "UNEXPECTED" in record.getMessage()]
+
+
+def test_a_checkpoint_whose_record_lost_its_original_model_type_is_refused_in_one_line(tmp_path):
+    """config.json's own model_type reads as the original's through the record; an altered record must not send
+    transformers round in circles (our registered type reading itself) but say what happened."""
+    from transformers import AutoConfig
+
+    import collab_convert
+    from collab_convert.errors import BadInputError
+
+    family = next(case for case in FAMILY_CASES if case.name == "bert")
+    build_family(family, tmp_path / "in")
+    compress(str(tmp_path / "in"), CompressOptions(rank=8, output=tmp_path / "out"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    del config["quantization_config"]["original_model_type"]
+    (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+    for load in (AutoConfig.from_pretrained, collab_convert.load_model):
+        with pytest.raises(BadInputError, match="record names no original model type .* was altered"):
+            load(tmp_path / "out")
