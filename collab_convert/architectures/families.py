@@ -42,12 +42,13 @@ class FormOffer:
     layout: Layout | SharedKeyProjections
     forward: Callable | None = None
     requires: tuple[tuple[str, tuple, str], ...] = ()
-    forward_carried: bool = False  # the checkpoint's own code restates `forward` too (checkpoint_code.INLINE_FORWARDS)
+    # the carried code runs the form though `forward` is ours: restated, or the module's own takes pseudo-heads
+    forward_carried: bool = False
 
     @property
     def carries_code(self) -> bool:
-        """Whether its checkpoints carry their modeling code (integration/checkpoint_code.py): the CP form of
-        modules that call separate query and key projections in their own forward, which that code takes
+        """Whether the modeling code its checkpoints carry (integration/checkpoint_code.py) runs it: the CP form
+        of modules that call separate query and key projections in their own forward, which that code takes
         without knowing the family, or in a forward that code restates."""
         return (self.form == COLLABORATIVE_FORM and isinstance(self.layout, SeparateProjections)
                 and (not self.forward or self.forward_carried))
@@ -247,8 +248,9 @@ FAMILIES: tuple[Family, ...] = (
             Site(r"(^|\.)decoder\.layers\.\d+\.encoder_attn$", "decoder_attention_heads", cross=True),
         ),
         offers=(
-            # our forward, so the caches hold exactly the packed shared key (no head-size chunks)
-            collaborative(SeparateProjections("q_proj", "k_proj", "v_proj", "out_proj"), bart_forward),
+            # our forward, so the caches hold exactly the packed shared key (no head-size chunks); the carried code
+            # runs the module's own, whose views take any number of heads (its caches then hold padded heads)
+            collaborative(SeparateProjections("q_proj", "k_proj", "v_proj", "out_proj"), bart_forward, True),
             # Every attention module takes the form; the decoder's caches hold the shared keys. BART normalises
             # after attention, so weight-only fits take isotropic inputs.
             shared_key(SharedKeyProjections(output="out_proj", dropout="dropout", input_norm=None, rotates=False),

@@ -71,6 +71,8 @@ def _ours(folder, auto, kind):
         inputs = {"input_ids": torch.randint(3, 50, (2 if kind == "text" else 1, 12), generator=generator)}
         if kind == "text":
             inputs["attention_mask"] = torch.tensor([[1] * 12, [1] * 7 + [0] * 5])
+        if kind == "seq2seq":
+            inputs["decoder_input_ids"] = torch.randint(3, 50, (1, 7), generator=generator)
     with torch.no_grad():
         result = model(**inputs)
     return result.logits if hasattr(result, "logits") else result.last_hidden_state
@@ -79,7 +81,7 @@ def _ours(folder, auto, kind):
 ROTARY = {case.name: case for case in ROTARY_CASES}
 # Families whose CP form the carried code runs: modules that call separate query and key projections and dispatch
 # to the attention interface, and MPNet's, whose inline forward it restates.
-CARRIED_FORWARD = {"bert", "roberta", "xlm-roberta", "electra", "distilbert", "albert", "vit", "deit", "mpnet"}
+CARRIED_FORWARD = {"bert", "roberta", "xlm-roberta", "electra", "distilbert", "albert", "vit", "deit", "mpnet", "bart"}
 
 
 def _cases(root):
@@ -163,13 +165,13 @@ def test_no_output_form_loads_silently_wrong_without_our_package(plain_loads):
 
 
 @pytest.mark.slow
-def test_encoders_in_the_cp_form_load_right_with_their_own_code_where_the_user_trusts_it(plain_loads):
-    """BERT-like, DistilBERT, ALBERT and ViT modules run their own forward over separate query and key projections:
-    the code the checkpoint carries swaps them as our loader does, with no collab_convert to import. MPNet scores
-    inline (with its relative position bias): the carried code restates that forward."""
+def test_the_cp_form_loads_right_with_its_own_code_where_the_user_trusts_it(plain_loads):
+    """BERT-like, DistilBERT, ALBERT and ViT modules, and BART's (encoder, decoder and cross-attention), run their
+    own forward over separate query and key projections: the code the checkpoint carries swaps them as our loader
+    does, with no collab_convert to import. MPNet scores inline (with its relative position bias): the carried code
+    restates that forward."""
     trusted = {name: seen for name, (expected, seen, _) in plain_loads.items() if expected == "our loader's outputs"}
-    assert {name.split(" ")[0] for name in trusted} == {"bert", "roberta", "xlm-roberta", "electra", "distilbert",
-                                                       "albert", "vit", "deit", "mpnet"}
+    assert {name.split(" ")[0] for name in trusted} == CARRIED_FORWARD
     assert all(seen.get("difference", 1.0) <= 1e-5 for seen in trusted.values()), trusted
 
 
@@ -246,3 +248,34 @@ def test_a_checkpoint_whose_record_lost_its_original_model_type_is_refused_in_on
     for load in (AutoConfig.from_pretrained, collab_convert.load_model):
         with pytest.raises(BadInputError, match="record names no original model type .* was altered"):
             load(tmp_path / "out")
+
+
+CACHED_DECODING = r"""
+import sys
+sys.modules["collab_convert"] = None
+import json, torch
+from transformers import AutoModelForSeq2SeqLM
+model = AutoModelForSeq2SeqLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+generator = torch.Generator().manual_seed(3)
+ids, decoder = torch.randint(3, 50, (2, 12), generator=generator), torch.randint(3, 50, (2, 8), generator=generator)
+with torch.no_grad():
+    whole = model(input_ids=ids, decoder_input_ids=decoder).logits
+    steps, past = [], None
+    for t in range(decoder.shape[1]):
+        out = model(input_ids=ids, decoder_input_ids=decoder[:, t : t + 1], past_key_values=past, use_cache=True)
+        steps.append(out.logits)
+        past = out.past_key_values
+print(json.dumps({"difference": float((torch.cat(steps, 1) - whole).abs().max() / whole.abs().max())}))
+"""
+
+
+@pytest.mark.slow
+def test_bart_decodes_with_its_caches_through_its_own_code(tmp_path):
+    """The carried code runs BART's own forward, whose caches (self-attention and the encoder's keys) then hold
+    whole padded pseudo-heads: step-by-step decoding gives the logits of one pass over the whole sequence."""
+    family = next(case for case in FAMILY_CASES if case.name == "bart")
+    build_family(family, tmp_path / "in")
+    compress(str(tmp_path / "in"), CompressOptions(rank=family.full_rank // 2, output=tmp_path / "out"))
+    done = subprocess.run([sys.executable, "-c", CACHED_DECODING, str(tmp_path / "out")], capture_output=True,
+                          text=True, check=True, stdin=subprocess.DEVNULL)
+    assert json.loads(done.stdout.strip().splitlines()[-1])["difference"] < 1e-5
