@@ -195,7 +195,8 @@ def _per_head(module, shared_query, packed_key):
 
 def _mpnet_forward(self, hidden_states, attention_mask=None, position_bias=None, output_attentions=False, **kwargs):
     """MPNetSelfAttention.forward (transformers 5), which scores inline: the same with per-head collaborative
-    queries and keys, scaled by the original 1/sqrt(d_k)."""
+    queries and keys, scaled by the original 1/sqrt(d_k). The package's own is modeling/forwards.mpnet_forward, kept
+    apart because this file must stand alone: change both alike."""
     input_shape = hidden_states.shape[:-1]
     queries, keys = _per_head(self, self.collaborative_query(hidden_states), self.collaborative_key(hidden_states))
     values = self.v(hidden_states).view(*input_shape, -1, self.attention_head_size).transpose(1, 2)

@@ -15,7 +15,10 @@ from .attention import collaborative_attention, unpack_pseudo_heads
 
 
 def mpnet_forward(self, hidden_states, attention_mask=None, position_bias=None, output_attentions=False, **kwargs):
-    """MPNetSelfAttention.forward (transformers 5), which scores inline, with collaborative queries and keys."""
+    """MPNetSelfAttention.forward (transformers 5), which scores inline, with collaborative queries and keys. Its
+    twin is integration/checkpoint_code._mpnet_forward, which the checkpoint carries and which may import nothing of
+    ours (nor may this import it: modeling sits below integration): change both alike (test_plain_loading compares
+    them)."""
     input_shape = hidden_states.shape[:-1]
     queries, keys = unpack_pseudo_heads(self, *self.shared_heads(hidden_states))
     values = self.v(hidden_states).view(*input_shape, -1, self.attention_head_size).transpose(1, 2)

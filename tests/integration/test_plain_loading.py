@@ -17,19 +17,13 @@ import torch
 from collab_convert import CompressOptions, compress
 from fixtures.models import FAMILY_CASES, ROTARY_CASES, build_family, build_rotary
 
-# Loads each checkpoint with transformers alone and prints what became of it: refused (and the error's last line),
-# or its outputs' largest difference from a reference folder loaded the same way. Encoders get a padded batch of
-# two, so the carried code's masking is compared too.
-PLAIN = r"""
-import sys
-sys.modules["collab_convert"] = None  # not installed: any import of it fails
-import json, torch, transformers
-cases = json.loads(sys.argv[1])
+# The inputs every load is run on, and what is compared: written once, run by the loading script below (in a Python
+# without collab_convert) and by `_ours` here. Encoders get a padded batch of two, so the carried code's masking is
+# compared too.
+RUN = r"""
+import torch
 
-def outputs(folder, auto, kind, trust=False, force=False):
-    # force: what transformers' own refusal of a size mismatch suggests, which would initialise the replaced projections
-    extra = {"ignore_mismatched_sizes": True} if force else {}
-    model = getattr(transformers, auto).from_pretrained(folder, trust_remote_code=trust, **extra).eval()
+def run(model, kind):
     generator = torch.Generator().manual_seed(0)
     if kind == "vision":
         inputs = {"pixel_values": torch.randn(1, 3, 16, 16, generator=generator)}
@@ -42,6 +36,21 @@ def outputs(folder, auto, kind, trust=False, force=False):
     with torch.no_grad():
         result = model(**inputs)
     return result.logits if hasattr(result, "logits") else result.last_hidden_state
+"""
+
+# Loads each checkpoint with transformers alone and prints what became of it: refused (and the error's last line),
+# or its outputs' largest difference from a reference folder loaded the same way.
+PLAIN = r"""
+import sys
+sys.modules["collab_convert"] = None  # not installed: any import of it fails
+import json, torch, transformers
+cases = json.loads(sys.argv[1])
+""" + RUN + r"""
+
+def outputs(folder, auto, kind, trust=False, force=False):
+    # force: what transformers' own refusal of a size mismatch suggests, which would initialise the replaced projections
+    extra = {"ignore_mismatched_sizes": True} if force else {}
+    return run(getattr(transformers, auto).from_pretrained(folder, trust_remote_code=trust, **extra).eval(), kind)
 
 seen = {}
 for name, case in cases.items():
@@ -63,19 +72,9 @@ def _ours(folder, auto, kind):
 
     import collab_convert
 
-    model = collab_convert.load_model(folder, getattr(transformers, auto)).eval()
-    generator = torch.Generator().manual_seed(0)
-    if kind == "vision":
-        inputs = {"pixel_values": torch.randn(1, 3, 16, 16, generator=generator)}
-    else:
-        inputs = {"input_ids": torch.randint(3, 50, (2 if kind == "text" else 1, 12), generator=generator)}
-        if kind == "text":
-            inputs["attention_mask"] = torch.tensor([[1] * 12, [1] * 7 + [0] * 5])
-        if kind == "seq2seq":
-            inputs["decoder_input_ids"] = torch.randint(3, 50, (1, 7), generator=generator)
-    with torch.no_grad():
-        result = model(**inputs)
-    return result.logits if hasattr(result, "logits") else result.last_hidden_state
+    defined = {}
+    exec(RUN, defined)  # the loading script's own inputs, not a copy of them
+    return defined["run"](collab_convert.load_model(folder, getattr(transformers, auto)).eval(), kind)
 
 
 ROTARY = {case.name: case for case in ROTARY_CASES}
