@@ -4,10 +4,11 @@ calibration tokens (issue 35), measured side by side in one run.
     python benchmarks/calibration_cost.py [--model smollm2|minilm|qwen2-0.5b-shape|FOLDER] [--budget "--key-cache 0.5"]
         [--documents 300] [--max-length 128] [--extra "--distill-steps 0"] [--profile FILE.svg]
 
-1. The floor: the original loaded the way the CLI loads it (float32), the calibration texts tokenised and cut at
-   --max-length, and `model(**batch)` over them in batches of about 4096 padded tokens, under inference mode,
-   with the CLI's thread count. Timed past loading, once before the CLI run and once after it: the floor is their
-   mean (the machine's speed drifted by 20% between runs an hour apart).
+1. The floor: the original loaded as transformers loads it by default (the checkpoint's own dtype: float32 for
+   MiniLM and the GGUF SmolLM2, bfloat16 for most hub checkpoints; --floor-dtype to choose), the calibration texts
+   tokenised and cut at --max-length, and `model(**batch)` over them in batches of about 4096 padded tokens, under
+   inference mode, with the CLI's thread count. Timed past loading, once before the CLI run and once after it: the
+   floor is their mean (the machine's speed drifted by 20% between runs an hour apart).
 2. The CLI as a user runs it: `collab-convert compress MODEL BUDGET --calibration FILE --calibration-samples N
    --calibration-max-length L`, wall time, and from its report.json the time past imports and each stage's.
 Printed: every stage in seconds and as a multiple of the floor, and the whole run's multiple (target: at most
@@ -39,8 +40,10 @@ MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "minilm": None}
 BATCH_TOKENS = 4096
 
 
-def floor_seconds(folder: Path, texts: list[str], max_length: int, threads: int | None) -> tuple[float, int]:
-    """(seconds of one plain forward pass over the texts, real tokens)."""
+def floor_seconds(folder: Path, texts: list[str], max_length: int, threads: int | None,
+                  dtype: str = "auto") -> tuple[float, int]:
+    """(seconds of one plain forward pass over the texts, real tokens), the model loaded in `dtype` ("auto":
+    transformers' default, the checkpoint's own dtype)."""
     import torch
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
@@ -52,7 +55,7 @@ def floor_seconds(folder: Path, texts: list[str], max_length: int, threads: int 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     auto = AutoModelForCausalLM if is_language_model(config.get("architectures")) else AutoModel
-    model = auto.from_pretrained(folder, dtype=torch.float32).eval()
+    model = auto.from_pretrained(folder, dtype=dtype if dtype == "auto" else getattr(torch, dtype)).eval()
     encoded = sorted(tokenizer(texts, truncation=True, max_length=max_length)["input_ids"], key=len)
     batches, start = [], 0
     while start < len(encoded):
@@ -107,6 +110,8 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=300)
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--extra", default="", help="more compress flags")
+    parser.add_argument("--floor-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="the plain pass's dtype (auto: transformers' default, the checkpoint's own)")
     parser.add_argument("--profile", type=Path, default=None, help="py-spy flame graph of the CLI run "
                         "(FILE.txt: collapsed stacks)")
     args = parser.parse_args()
@@ -127,7 +132,7 @@ def main() -> None:
     from collab_convert.cpu import choose_threads
 
     before, _ = floor_seconds(folder, calibration, args.max_length,
-                              choose_threads(None, torch.get_num_threads())[0])  # as the CLI will choose them
+                              choose_threads(None, torch.get_num_threads())[0], args.floor_dtype)  # the CLI's threads
     with tempfile.TemporaryDirectory(prefix="collab-cost-") as scratch:
         text = Path(scratch) / "calibration.txt"
         text.write_text("\n".join(calibration + probe_documents(calibration)) + "\n")
@@ -144,19 +149,19 @@ def main() -> None:
         wall = time.perf_counter() - started
         report = json.loads((out / "report.json").read_text())
     threads = (report.get("threads") or {}).get("threads")
-    after, tokens = floor_seconds(folder, calibration, args.max_length, threads)
+    after, tokens = floor_seconds(folder, calibration, args.max_length, threads, args.floor_dtype)
     floor = (before + after) / 2
     print(f"{name}, {' '.join(budget)} {args.extra}; {len(calibration)} documents, {tokens:,} calibration tokens at "
           f"{args.max_length}; {threads} threads")
-    print(f"one plain forward pass of the original over them: {floor:.1f} s (the mean of {before:.1f} s before the "
-          f"CLI run and {after:.1f} s after it)")
+    print(f"one plain forward pass of the original ({args.floor_dtype} dtype) over them: {floor:.1f} s "
+          f"(the mean of {before:.1f} s before the CLI run and {after:.1f} s after it)")
     print(f"{'stage':<28} {'seconds':>8} {'x forward pass':>15}")
     for stage, seconds in report["stage_seconds"].items():
         print(f"{stage:<28} {seconds:8.1f} {seconds / floor:15.2f}")
     print(f"{'whole run past imports':<28} {report['seconds']:8.1f} {report['seconds'] / floor:15.2f}   "
           f"(target 2.0; CLI wall time with imports {wall:.1f} s)")
     figures = {"model": name, "budget": budget, "extra": args.extra, "tokens": tokens, "floor_seconds": floor,
-               "floor_seconds_before": before, "floor_seconds_after": after,
+               "floor_seconds_before": before, "floor_seconds_after": after, "floor_dtype": args.floor_dtype,
                "run_seconds": report["seconds"], "wall_seconds": wall, "ratio": report["seconds"] / floor,
                "stage_seconds": report["stage_seconds"], "threads": threads}
     distillation = report.get("distillation")

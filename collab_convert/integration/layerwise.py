@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..devices import HOST, Device, moved
+from ..devices import HOST, Device, moved, pass_dtype
 from ..modeling.collaborative import strip_prefix
 from .loading import for_measuring
 
@@ -84,7 +84,8 @@ class _BlockInputs(Exception):
 
 def _float32(value):
     """Floating tensors (in tuples, lists, dicts too) as float32: the modules before the first block run in the
-    checkpoint's dtype, the blocks in float32."""
+    checkpoint's dtype; what the first block receives is kept in float32 and cast to the blocks' dtype as they
+    run."""
     return moved(value, dtype=torch.float32)
 
 
@@ -138,8 +139,10 @@ class BlockRunner:
 
         self.scratch, self.device = scratch, torch.device(device)
         scratch.mkdir(parents=True, exist_ok=True)
+        # the statistics come from the model as transformers runs it by default: in the checkpoint's dtype where
+        # the device multiplies it natively (half the time of float32 for bfloat16 on AVX512-BF16)
         self.model = _offloaded(AutoModel, folder, mapping, [name for name, _ in skeleton_blocks], scratch / "offload",
-                                self.device)
+                                self.device, native=True)
         modules = dict(self.model.named_modules())
         self.blocks = [(modules[name], prefix) for name, prefix in skeleton_blocks]
         self.batches = 0
@@ -201,12 +204,13 @@ def _skeleton(folder: Path, auto_class) -> nn.Module:
 
 
 def _offloaded(auto_class, folder: Path, mapping: dict[str, str], blocks: list[str], offload_folder: Path | None,
-               device: torch.device):
+               device: torch.device, native: bool = False):
     """Loaded in the checkpoint's own dtype (converting at load would materialise every weight at once), then the
-    blocks declared float32: accelerate casts each weight to its parameter's dtype as it loads it for a forward
-    pass. The modules outside the blocks keep the checkpoint's dtype (a 50k-word embedding table is 200 MB in
-    float32, and a lookup reads a few rows of it); inputs are cast at each boundary. Every module runs on
-    `device`: its hook loads its weights there."""
+    blocks declared float32 (or, `native`, left in the checkpoint's dtype where the device multiplies it natively:
+    devices.pass_dtype): accelerate casts each weight to its parameter's dtype as it loads it for a forward pass.
+    The modules outside the blocks keep the checkpoint's dtype (a 50k-word embedding table is 200 MB in float32,
+    and a lookup reads a few rows of it); inputs are cast at each boundary. Every module runs on `device`: its
+    hook loads its weights there."""
     # accelerate warns that offloaded parameters sit on the meta device: here that is the point
     big_modeling = logging.getLogger("accelerate.big_modeling")
     level = big_modeling.level
@@ -219,12 +223,18 @@ def _offloaded(auto_class, folder: Path, mapping: dict[str, str], blocks: list[s
     _run_on(model, device)
     modules = dict(model.named_modules())
     for block in blocks:
-        # meta parameters change dtype for free; buffers and the few loaded ones are small. nn.Module's own
-        # float(): transformers refuses it on models loaded through a quantizer (ours)
-        nn.Module.float(modules[block])
+        if not native or pass_dtype(device, floating_dtype(modules[block])) == torch.float32:
+            # meta parameters change dtype for free; buffers and the few loaded ones are small. nn.Module's own
+            # float(): transformers refuses it on models loaded through a quantizer (ours)
+            nn.Module.float(modules[block])
         _load_whole_block(modules[block], device)
     _cast_at_boundaries(modules, blocks, [name for name in mapping if name in modules and name not in blocks])
     return for_measuring(model)
+
+
+def floating_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype of `module`'s first floating parameter (float32 where it has none)."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _run_on(model: nn.Module, device: torch.device) -> None:
@@ -243,11 +253,13 @@ def _run_on(model: nn.Module, device: torch.device) -> None:
 
 
 def _cast_at_boundaries(modules: dict[str, nn.Module], blocks: list[str], others: list[str]) -> None:
-    """Blocks run in float32, the modules around them (embeddings, final norm, language-model head) in the
-    checkpoint's dtype: each gets its floating inputs in its own dtype."""
+    """Blocks run in their own dtype (float32, or the checkpoint's where `_offloaded` left it), the modules around
+    them (embeddings, final norm, language-model head) in the checkpoint's dtype: each gets its floating inputs
+    in its own dtype."""
     for name in blocks:
-        modules[name].register_forward_pre_hook(lambda module, args, kwargs: (_float32(args), _float32(kwargs)),
-                                                with_kwargs=True)
+        dtype = floating_dtype(modules[name])
+        modules[name].register_forward_pre_hook(lambda module, args, kwargs, dtype=dtype: (
+            moved(args, dtype=dtype), moved(kwargs, dtype=dtype)), with_kwargs=True)
     for name in others:
         module = modules[name]
         dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)

@@ -100,12 +100,19 @@ def _whole_passes(folder: Path, prefixes: list[str], batches: CalibrationBatches
 
 
 def whole_model(folder: Path, device):
-    """The model in `folder`, loaded whole for measuring, on `device`."""
+    """The model in `folder`, loaded whole for measuring, on `device`: in the checkpoint's dtype, as transformers
+    loads it by default, where the device multiplies it natively, else in float32 (devices.pass_dtype), as the
+    block-at-a-time pass runs it."""
     from transformers import AutoModel
 
+    from ..devices import pass_dtype
+    from .layerwise import floating_dtype
     from .loading import for_measuring
 
-    return for_measuring(AutoModel.from_pretrained(folder)).to(device)
+    model = AutoModel.from_pretrained(folder)
+    if pass_dtype(device, floating_dtype(model)) == torch.float32:
+        model = model.float()
+    return for_measuring(model).to(device)
 
 
 # Growth a block's heap may reach between batches before its free pages are handed back (cpu.BoundedHeap). On a
