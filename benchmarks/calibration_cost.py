@@ -15,8 +15,8 @@ Printed: every stage in seconds and as a multiple of the floor, and the whole ru
 2.0). --profile records the CLI run with py-spy (a flame graph), to see where a stage's time goes.
 3. With --distill-steps in --extra: one distillation step (report.json's distillation.seconds_per_step: the batch,
    the original's forward, the result's forward and backward, Adam's update) against one forward-backward pass of
-   the original (every weight trainable, as a plain fine-tune's step) on batches of the same shape (the texts a
-   step takes, cut alike), with the CLI's thread count, median of 5.
+   the original (every weight trainable, as a plain fine-tune's step, in the plain pass's dtype) on batches of the
+   same shape (the texts a step takes, cut alike), with the CLI's thread count, median of 5.
 
 Text: Brown documents of about 200 words (benchmarks/calibration_documents.py), the calibration side.
 """
@@ -70,7 +70,7 @@ def floor_seconds(folder: Path, texts: list[str], max_length: int, threads: int 
 
 
 def forward_backward_seconds(folder: Path, texts: list[str], max_length: int, threads: int | None,
-                             repeats: int = 5) -> tuple[float, int]:
+                             repeats: int = 5, dtype: str = "auto") -> tuple[float, int]:
     """(median seconds of one forward-backward pass of the original on a distillation step's batch, its texts)."""
     import statistics
 
@@ -86,7 +86,8 @@ def forward_backward_seconds(folder: Path, texts: list[str], max_length: int, th
     config = json.loads((folder / "config.json").read_text())
     sequences = objective_for(config.get("architectures")).batch_sequences
     causal = is_language_model(config.get("architectures"))
-    model = (AutoModelForCausalLM if causal else AutoModel).from_pretrained(folder, dtype=torch.float32).eval()
+    model = (AutoModelForCausalLM if causal else AutoModel).from_pretrained(
+        folder, dtype=dtype if dtype == "auto" else getattr(torch, dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     encoded = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
     generator, seen = torch.Generator().manual_seed(0), []
@@ -164,12 +165,20 @@ def main() -> None:
                "floor_seconds_before": before, "floor_seconds_after": after, "floor_dtype": args.floor_dtype,
                "run_seconds": report["seconds"], "wall_seconds": wall, "ratio": report["seconds"] / floor,
                "stage_seconds": report["stage_seconds"], "threads": threads}
+    fidelity = report.get("fidelity") or {}
+    if "kl_mean" in fidelity:
+        print(f"fidelity on the held-out lines: top-1 {fidelity.get('top1_agreement'):.5f}, "
+              f"KL {fidelity['kl_mean']:.5f}")
+        figures.update(top1=fidelity.get("top1_agreement"), kl=fidelity["kl_mean"])
     distillation = report.get("distillation")
     if distillation and "seconds_per_step" in distillation:
-        pass_seconds, sequences = forward_backward_seconds(folder, calibration, args.max_length, threads)
+        pass_seconds, sequences = forward_backward_seconds(folder, calibration, args.max_length, threads,
+                                                           dtype=args.floor_dtype)
         step = distillation["seconds_per_step"]
         print(f"one distillation step ({sequences} texts): {step:.2f} s; one forward-backward pass of the original on "
               f"a batch of the same shape: {pass_seconds:.2f} s; ratio {step / pass_seconds:.2f}")
+        print(f"distillation's held-out {distillation.get('held_out_measure')}: {distillation.get('before'):.5f} -> "
+              f"{distillation.get('after'):.5f} (best at step {distillation.get('best_step')})")
         figures.update(distill_step_seconds=step, forward_backward_seconds=pass_seconds,
                        distill_step_ratio=step / pass_seconds)
     print(json.dumps(figures))

@@ -73,3 +73,9 @@ def pass_dtype(device: Device, stored: torch.dtype) -> torch.dtype:
     if stored == torch.float16 and torch.device(device).type == "cuda":
         return torch.float16
     return torch.float32
+
+
+def floating_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype of `module`'s first floating parameter (float32 where it has none): what a checkpoint loaded in
+    its own dtype stores."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)

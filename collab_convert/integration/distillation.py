@@ -13,7 +13,10 @@ step.
 The best state on a held-out tenth of the texts (at most the objective's held_out_max) is kept, judged every CHECK_EVERY
 steps by the held-out measure (next-token KL; for an encoder, 1 - cosine of the sentence embeddings), and the
 run stops early after PATIENCE checks without a gain. Unlike the rest of a calibrated run, both models are
-loaded whole, on the run's device; the best state comes back in host memory.
+loaded whole, on the run's device; the best state comes back in host memory. A bfloat16 checkpoint on a device
+that multiplies bfloat16 trains in mixed precision: the original in its own dtype, the result's products under
+autocast to it, the tuned tensors in float32 (SmolLM2: a step 2.03 s against 3.53 s, beside a bfloat16
+forward-backward pass of 1.7-1.9 s).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..devices import HOST, Device, host_copy, moved
+from ..devices import HOST, Device, floating_dtype, host_copy, moved, pass_dtype
 from ..errors import BadInputError
 from ..progress import DETAIL, Progress, no_progress
 
@@ -132,9 +135,10 @@ def distill(original: Path, result: Path, texts: list[str], max_length: int, ste
 
     started = time.perf_counter()
     tokenizer = load_tokenizer(original, "distillation")
-    teacher = for_measuring(_loaded(objective, original, ours=False)).to(device)
-    student = for_measuring(_loaded(objective, result, ours=True)).to(device)
+    teacher = for_measuring(_loaded(objective, original, ours=False, device=device)).to(device)
+    student = for_measuring(_loaded(objective, result, ours=True, device=device)).to(device)
     tuned = _tunable(student, names)
+    student = _Autocast(student, floating_dtype(teacher), torch.device(device).type)
     training, held_out = _split(tokenizer(texts, truncation=True, max_length=max_length)["input_ids"],
                                 objective.held_out_max)
     generator = torch.Generator().manual_seed(seed)
@@ -181,8 +185,10 @@ def distill(original: Path, result: Path, texts: list[str], max_length: int, ste
     return best_state, report
 
 
-def _loaded(objective, folder: Path, ours: bool):
-    """The model in `folder` as the objective's auto class, in float32; ours (the result) through our loader."""
+def _loaded(objective, folder: Path, ours: bool, device: Device = HOST):
+    """The model in `folder` as the objective's auto class. Ours (the result, through our loader) in float32: the
+    tuned tensors' master copy. The original in its own dtype where the device multiplies it natively
+    (devices.pass_dtype: a bfloat16 checkpoint's forward at half a float32 one's time), else in float32."""
     import transformers
 
     from .loading import load_model
@@ -190,7 +196,22 @@ def _loaded(objective, folder: Path, ours: bool):
     auto_class = getattr(transformers, objective.auto_class)
     if ours:
         return load_model(folder, auto_class, dtype=torch.float32)
-    return auto_class.from_pretrained(folder, dtype=torch.float32)
+    model = auto_class.from_pretrained(folder)
+    return model if pass_dtype(device, floating_dtype(model)) != torch.float32 else model.float()
+
+
+class _Autocast:
+    """The student called under autocast to the teacher's dtype where that is a half precision: its products in
+    the precision the original runs in, its tuned float32 tensors the master copy Adam updates (mixed-precision
+    training). In float32 it is the student itself."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device_type: str):
+        self.model, self.dtype, self.device_type = model, dtype, device_type
+        self.config = model.config
+
+    def __call__(self, **inputs):
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            return self.model(**inputs)
 
 
 def _split(encoded: list[list[int]], most: int = HELD_OUT_MAX) -> tuple[list[list[int]], list[list[int]]]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..devices import HOST, Device, moved, pass_dtype
+from ..devices import HOST, Device, floating_dtype, moved, pass_dtype
 from ..modeling.collaborative import strip_prefix
 from .loading import for_measuring
 
@@ -230,11 +230,6 @@ def _offloaded(auto_class, folder: Path, mapping: dict[str, str], blocks: list[s
         _load_whole_block(modules[block], device)
     _cast_at_boundaries(modules, blocks, [name for name in mapping if name in modules and name not in blocks])
     return for_measuring(model)
-
-
-def floating_dtype(module: nn.Module) -> torch.dtype:
-    """The dtype of `module`'s first floating parameter (float32 where it has none)."""
-    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _run_on(model: nn.Module, device: torch.device) -> None:

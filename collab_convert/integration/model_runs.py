@@ -105,8 +105,7 @@ def whole_model(folder: Path, device):
     block-at-a-time pass runs it."""
     from transformers import AutoModel
 
-    from ..devices import pass_dtype
-    from .layerwise import floating_dtype
+    from ..devices import floating_dtype, pass_dtype
     from .loading import for_measuring
 
     model = AutoModel.from_pretrained(folder)

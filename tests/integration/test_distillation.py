@@ -199,3 +199,41 @@ def test_one_pass_of_each_language_model_gives_the_same_figures_as_separate_pass
     assert found.top1_agreement == pytest.approx(top1) and found.kl_mean == pytest.approx(kl, rel=1e-5)
     assert found.cosine.mean == pytest.approx(cosine.mean, abs=1e-6) and found.cosine.mean < 1 - 1e-4
     assert [i for i, _ in found.cosine.worst] == [i for i, _ in cosine.worst]
+
+
+def test_a_bfloat16_checkpoint_distils_in_mixed_precision_where_the_device_multiplies_it(tiny_llama, tmp_path,
+                                                                                         monkeypatch):
+    """The original runs in its own bfloat16 and the result's forward under autocast to it (half a float32 pass's
+    time on a CPU with bfloat16 units), while the tuned tensors stay float32 for Adam: the held-out KL still falls,
+    and only collaborative tensors change."""
+    import shutil
+
+    from collab_convert import devices
+    from collab_convert.integration import distillation
+
+    folder, texts = tiny_llama
+    stored = tmp_path / "bf16"
+    shutil.copytree(folder, stored)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).save_pretrained(stored)
+    monkeypatch.setattr(devices, "training_products", lambda device: torch.bfloat16)
+    seen = {}
+    made = distillation._Autocast.__init__
+
+    def remembered(self, model, dtype, device_type):
+        made(self, model, dtype, device_type)
+        seen["compute"] = dtype
+        seen["tuned"] = {p.dtype for p in model.parameters() if p.requires_grad}
+
+    monkeypatch.setattr(distillation._Autocast, "__init__", remembered)
+    fitted = compress(str(stored), CompressOptions(key_cache=0.5, output=tmp_path / "fitted", calibration=texts,
+                                                   calibration_samples=32, refine_steps=10))
+    result = compress(str(stored), CompressOptions(key_cache=0.5, output=tmp_path / "distilled", calibration=texts,
+                                                   calibration_samples=32, refine_steps=10, distill_steps=60))
+    assert seen == {"compute": torch.bfloat16, "tuned": {torch.float32}}
+    assert result.distillation["kl_after"] < result.distillation["kl_before"]
+    before, after = tensors(tmp_path / "fitted"), tensors(tmp_path / "distilled")
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed and all(collaborative(name) for name in changed)
+    assert fitted.fidelity is not None

@@ -280,13 +280,13 @@ def test_a_bfloat16_checkpoint_calibrates_in_bfloat16_where_the_device_multiplie
 
         def remembered(self, *args, **kwargs):
             made(self, *args, **kwargs)
-            seen.extend(layerwise.floating_dtype(block) for block, _ in self.blocks)
+            seen.extend(devices.floating_dtype(block) for block, _ in self.blocks)
 
         monkeypatch.setattr(layerwise.BlockRunner, "__init__", remembered)
     else:
         whole = model_runs.whole_model
         monkeypatch.setattr(model_runs, "whole_model",
-                            lambda *args: seen.append(layerwise.floating_dtype(model := whole(*args))) or model)
+                            lambda *args: seen.append(devices.floating_dtype(model := whole(*args))) or model)
     scratch = (lambda name: tmp_path / f"scratch-{name}") if by_block else (lambda name: None)
     mine = _statistics(tmp_path / "gpt2", scratch=scratch("bf16"))
     assert seen and set(seen) == {torch.bfloat16 if native else torch.float32}
