@@ -40,6 +40,13 @@ MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "minilm": None}
 BATCH_TOKENS = 4096
 
 
+def _torch_dtype(name: str):
+    """--floor-dtype as from_pretrained takes it: "auto", or a torch dtype."""
+    import torch
+
+    return name if name == "auto" else getattr(torch, name)
+
+
 def floor_seconds(folder: Path, texts: list[str], max_length: int, threads: int | None,
                   dtype: str = "auto") -> tuple[float, int]:
     """(seconds of one plain forward pass over the texts, real tokens), the model loaded in `dtype` ("auto":
@@ -55,7 +62,7 @@ def floor_seconds(folder: Path, texts: list[str], max_length: int, threads: int 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     auto = AutoModelForCausalLM if is_language_model(config.get("architectures")) else AutoModel
-    model = auto.from_pretrained(folder, dtype=dtype if dtype == "auto" else getattr(torch, dtype)).eval()
+    model = auto.from_pretrained(folder, dtype=_torch_dtype(dtype)).eval()
     encoded = sorted(tokenizer(texts, truncation=True, max_length=max_length)["input_ids"], key=len)
     batches, start = [], 0
     while start < len(encoded):
@@ -87,7 +94,7 @@ def forward_backward_seconds(folder: Path, texts: list[str], max_length: int, th
     sequences = objective_for(config.get("architectures")).batch_sequences
     causal = is_language_model(config.get("architectures"))
     model = (AutoModelForCausalLM if causal else AutoModel).from_pretrained(
-        folder, dtype=dtype if dtype == "auto" else getattr(torch, dtype)).eval()
+        folder, dtype=_torch_dtype(dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     encoded = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
     generator, seen = torch.Generator().manual_seed(0), []

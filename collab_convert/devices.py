@@ -79,3 +79,12 @@ def floating_dtype(module: torch.nn.Module) -> torch.dtype:
     """The dtype of `module`'s first floating parameter (float32 where it has none): what a checkpoint loaded in
     its own dtype stores."""
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+
+
+def in_pass_dtype(module: torch.nn.Module, device: Device) -> torch.nn.Module:
+    """`module` (a model loaded in its own dtype, or a block) made ready for a pass on `device`: left in its dtype
+    where pass_dtype keeps it, else cast to float32 in place. nn.Module's own float(): transformers refuses its
+    override on models loaded through a quantizer (ours); on meta parameters the cast is free."""
+    if pass_dtype(device, floating_dtype(module)) == torch.float32:
+        torch.nn.Module.float(module)
+    return module

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..devices import HOST, Device, floating_dtype, host_copy, moved, pass_dtype
+from ..devices import HOST, Device, floating_dtype, host_copy, in_pass_dtype, moved
 from ..errors import BadInputError
 from ..progress import DETAIL, Progress, no_progress
 
@@ -196,8 +196,7 @@ def _loaded(objective, folder: Path, ours: bool, device: Device = HOST):
     auto_class = getattr(transformers, objective.auto_class)
     if ours:
         return load_model(folder, auto_class, dtype=torch.float32)
-    model = auto_class.from_pretrained(folder)
-    return model if pass_dtype(device, floating_dtype(model)) != torch.float32 else model.float()
+    return in_pass_dtype(auto_class.from_pretrained(folder), device)
 
 
 class _Autocast:
@@ -207,7 +206,6 @@ class _Autocast:
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device_type: str):
         self.model, self.dtype, self.device_type = model, dtype, device_type
-        self.config = model.config
 
     def __call__(self, **inputs):
         with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32):

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..devices import HOST, Device, floating_dtype, moved, pass_dtype
+from ..devices import HOST, Device, floating_dtype, in_pass_dtype, moved
 from ..modeling.collaborative import strip_prefix
 from .loading import for_measuring
 
@@ -223,9 +223,10 @@ def _offloaded(auto_class, folder: Path, mapping: dict[str, str], blocks: list[s
     _run_on(model, device)
     modules = dict(model.named_modules())
     for block in blocks:
-        if not native or pass_dtype(device, floating_dtype(modules[block])) == torch.float32:
-            # meta parameters change dtype for free; buffers and the few loaded ones are small. nn.Module's own
-            # float(): transformers refuses it on models loaded through a quantizer (ours)
+        # meta parameters change dtype for free; buffers and the few loaded ones are small
+        if native:
+            in_pass_dtype(modules[block], device)
+        else:  # nn.Module's own float(): transformers refuses its override on models loaded through our quantizer
             nn.Module.float(modules[block])
         _load_whole_block(modules[block], device)
     _cast_at_boundaries(modules, blocks, [name for name in mapping if name in modules and name not in blocks])
@@ -257,8 +258,8 @@ def _cast_at_boundaries(modules: dict[str, nn.Module], blocks: list[str], others
             moved(args, dtype=dtype), moved(kwargs, dtype=dtype)), with_kwargs=True)
     for name in others:
         module = modules[name]
-        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
-        if dtype is None or dtype == torch.float32:
+        dtype = floating_dtype(module)
+        if dtype == torch.float32:  # float32 weights, or none
             continue
         if isinstance(module, nn.Linear):  # a language-model head: float32 math, a slice of its weight at a time
             _float32_in_slices(module)

@@ -105,13 +105,10 @@ def whole_model(folder: Path, device):
     block-at-a-time pass runs it."""
     from transformers import AutoModel
 
-    from ..devices import floating_dtype, pass_dtype
+    from ..devices import in_pass_dtype
     from .loading import for_measuring
 
-    model = AutoModel.from_pretrained(folder)
-    if pass_dtype(device, floating_dtype(model)) == torch.float32:
-        model = model.float()
-    return for_measuring(model).to(device)
+    return for_measuring(in_pass_dtype(AutoModel.from_pretrained(folder), device)).to(device)
 
 
 # Growth a block's heap may reach between batches before its free pages are handed back (cpu.BoundedHeap). On a
