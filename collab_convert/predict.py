@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .architectures.source import SourceModel
 from .options import CompressOptions
 from .progress import Progress, no_progress
@@ -44,8 +46,9 @@ def can_measure(source: SourceModel) -> bool:
 
 class FidelityEstimator:
     """Embedding cosine of the collaborative model to the original, at any rank, on fixed probe texts. Models are
-    loaded in float32 with their blocks offloaded to disk (one block in memory as it runs), so measuring a model
-    does not hold it, or two of it, in memory."""
+    loaded with their blocks offloaded to disk (one block in memory as it runs), so measuring a model does not
+    hold it, or two of it, in memory; their blocks run in the checkpoint's own dtype where the device multiplies
+    it natively, float32 elsewhere (_loaded)."""
 
     def __init__(self, source: SourceModel, options: CompressOptions, probe: ProbeTexts,
                  write: Callable[[Path, dict[str, int], Progress], None] | None = None):
@@ -59,6 +62,7 @@ class FidelityEstimator:
         # as many texts per forward pass as keep a block's activations small (calibration's batch size)
         self.batch_size = max(1, batch_tokens(source.width) // options.calibration_max_length)
         self._reference = None
+        self._dtypes: dict[Path, torch.dtype] = {}  # the dtype each measured checkpoint's blocks ran in
         self.cache: dict[int, Estimate] = {}
 
     @property
@@ -66,9 +70,8 @@ class FidelityEstimator:
         """The original's embeddings of the probe texts, computed when a cosine first needs them."""
         if self._reference is None:
             from .integration.fidelity import sentence_embeddings
-            from .integration.layerwise import load_offloaded
 
-            original = load_offloaded(self.source.folder, device=self.options.device)
+            original = self._loaded(self.source.folder)
             self._reference = sentence_embeddings(original, self.tokenizer, self.probe.texts,
                                                   batch_size=self.batch_size,
                                                   max_length=self.options.calibration_max_length,
@@ -95,9 +98,8 @@ class FidelityEstimator:
 
     def _cosine_stats(self, folder: Path):
         from .integration.fidelity import cosine_stats, sentence_embeddings
-        from .integration.layerwise import load_offloaded
 
-        model = load_offloaded(folder, device=self.options.device)
+        model = self._loaded(folder)
         return cosine_stats(self.reference, sentence_embeddings(
             model, self.tokenizer, self.probe.texts, batch_size=self.batch_size,
             max_length=self.options.calibration_max_length, device=self.options.device))
@@ -112,19 +114,34 @@ class FidelityEstimator:
         if is_language_model(self.source.config.get("architectures")):
             from transformers import AutoModelForCausalLM
 
-            from .integration.layerwise import load_offloaded
-
             device = self.options.device
             found = compare_language_models(
-                load_offloaded(folder, AutoModelForCausalLM, device),
-                load_offloaded(self.source.folder, AutoModelForCausalLM, device),
+                self._loaded(folder, AutoModelForCausalLM), self._loaded(self.source.folder, AutoModelForCausalLM),
                 self.tokenizer, self.probe.texts, self.options.calibration_max_length, device=device,
                 prefixes=[layer.prefix for layer in self.source.layers])
             stats, next_tokens = found.cosine, {"top1_agreement": found.top1_agreement, "kl_mean": found.kl_mean}
         else:
             stats = self._cosine_stats(folder)
-        return {"measured_on": self.probe.description, "cosine_mean": stats.mean, "cosine_p01": stats.p01,
-                "worst_texts": worst_texts(stats, self.probe.texts), **next_tokens}
+        return {"measured_on": self.probe.description, "computed_in": self._computed_in(folder),
+                "cosine_mean": stats.mean, "cosine_p01": stats.p01, "worst_texts": worst_texts(stats, self.probe.texts),
+                **next_tokens}
+
+    def _loaded(self, folder: Path, auto_class=None):
+        """A checkpoint as measured here: its blocks offloaded (one in memory as it runs), and run in the
+        checkpoint's own dtype where the device multiplies it natively, as transformers runs it (devices.pass_dtype:
+        a bfloat16 checkpoint on a CPU with AVX512-BF16 in bfloat16, at half the float32 time; SmolLM2's held-out
+        KL 0.12045 in float32, 0.12088 so). The heads still compute float32 logits (layerwise._float32_in_slices)."""
+        from .integration.layerwise import blocks_dtype, load_offloaded
+
+        model = load_offloaded(folder, auto_class, self.options.device, native=True)
+        self._dtypes[Path(folder)] = blocks_dtype(model)
+        return model
+
+    def _computed_in(self, folder: Path) -> str:
+        """The precision the figures were computed in: the result's blocks', and the original's where it differs."""
+        result, original = (str(self._dtypes.get(Path(f), torch.float32)).removeprefix("torch.")
+                            for f in (folder, self.source.folder))
+        return result if result == original else f"{result} (the original in {original})"
 
     def smallest_rank(self, target: float, progress: Progress = no_progress) -> Estimate:
         """The smallest multiple of the head count whose mean cosine reaches `target` (bisection: fidelity grows

@@ -293,8 +293,9 @@ def verify(model: str, against: str | None, texts: list[str], thresholds: dict[s
     causal = is_language_model(config.architectures)
     max_length = within_positions(config.to_dict(), max_length)
     # On a CPU both run in float32 whatever they store (compress --dtype f16, a bf16 original): the figures then
-    # measure the weights, not half-precision arithmetic, so a full-rank result reads exact (calibration, which
-    # only gathers statistics, runs a bf16 checkpoint in bf16 where the CPU multiplies it: devices.pass_dtype).
+    # measure the weights, not half-precision arithmetic, so a full-rank result reads exact. compress's own check
+    # runs a bf16 checkpoint in bf16 where the CPU multiplies it, as transformers does (predict.FidelityEstimator,
+    # devices.pass_dtype), and its report says so.
     dtype = torch.float32 if str(device).startswith("cpu") else "auto"
     if causal:  # one pass of each model gives the embeddings and the next-token figures
         measured = compare_language_models(

@@ -178,11 +178,12 @@ class BlockRunner:
             partial.replace(hidden_path)
 
 
-def load_offloaded(folder: Path, auto_class=None, device: Device = HOST):
+def load_offloaded(folder: Path, auto_class=None, device: Device = HOST, native: bool = False):
     """The model in `folder` (eval mode), each block (every ModuleList entry) and each module outside the blocks
     offloaded to disk: a forward pass holds one of them in memory at a time, on `device`. Blocks run in float32,
-    as in `_offloaded`. For measuring fidelity on models too big to hold twice. Collaborative checkpoints load
-    through our quantizer as usual."""
+    or with `native` in the checkpoint's dtype where the device multiplies it natively, as in `_offloaded`. For
+    measuring fidelity on models too big to hold twice. Collaborative checkpoints load through our quantizer as
+    usual."""
     from transformers import AutoModel
 
     from .loading import register
@@ -192,7 +193,15 @@ def load_offloaded(folder: Path, auto_class=None, device: Device = HOST):
     skeleton = _skeleton(folder, auto_class)
     containers = [f"{name}.{index}" for name, module in skeleton.named_modules() if isinstance(module, nn.ModuleList)
                   for index in range(len(module))]
-    return _offloaded(auto_class, folder, offload_map(skeleton, containers), containers, None, torch.device(device))
+    return _offloaded(auto_class, folder, offload_map(skeleton, containers), containers, None, torch.device(device),
+                      native)
+
+
+def blocks_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a loaded model's blocks (its first ModuleList's entries) run in: float32, or the checkpoint's own
+    where load_offloaded left it."""
+    stack = next((module for module in model.modules() if isinstance(module, nn.ModuleList) and len(module)), None)
+    return floating_dtype(stack[0] if stack is not None else model)
 
 
 def _skeleton(folder: Path, auto_class) -> nn.Module:

@@ -64,8 +64,10 @@ def fidelity_lines(result: "CompressResult", texts: bool = True) -> list[str]:
     if not figures:
         return ["- fidelity: not measured here (compress with --calibration measures it on held-out lines); run "
                 "`collab-convert verify OUT --texts FILE` on your own text"]
-    line = (f"- fidelity, measured on {figures['measured_on']}: embedding cosine mean {figures['cosine_mean']:.4f}, "
-            f"1st percentile {figures['cosine_p01']:.4f}")
+    # the precision the two models ran in: a bfloat16 checkpoint runs in it where the device multiplies it natively
+    computed = f" in {figures['computed_in']}" if figures.get("computed_in") else ""
+    line = (f"- fidelity, measured on {figures['measured_on']}{computed}: embedding cosine mean "
+            f"{figures['cosine_mean']:.4f}, 1st percentile {figures['cosine_p01']:.4f}")
     if figures.get("top1_agreement") is not None:
         line += f"; next-token top-1 agreement {figures['top1_agreement']:.4f}, KL {figures['kl_mean']:.4f}"
     return [line, *(worst_lines(figures.get("worst_texts")) if texts else [])]
