@@ -97,6 +97,18 @@ def _collaborative_kl(parameters, batch: _Batch, scaling: float, products: torch
     return (batch.entropy - (batch.target_p * log_q).sum()) / batch.rows
 
 
+def drawn_rows(lengths: torch.Tensor, count: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`count` query positions of each sequence drawn without replacement and sorted, (B, count); which of them
+    are real, (B, count)), for sequences of `lengths`, all in one draw. On the host generator, so a seed picks the
+    same rows on every device; positions past a sequence's end are drawn last, so after sorting a short
+    sequence's real rows come first (the rest, in bounds of the longest, are masked by the caller)."""
+    device, longest = lengths.device, int(lengths.max())
+    draw = torch.rand(len(lengths), longest, generator=generator).to(device)
+    draw[torch.arange(longest, device=device) >= lengths[:, None]] = 2.0
+    picks = draw.argsort(dim=1)[:, :count].sort(dim=1).values
+    return picks, torch.arange(count, device=device) < lengths.clamp(max=count)[:, None]
+
+
 def _packed(sequences: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(every row one after another (T, D) on `device` in the sequences' own dtype, each one's first row, lengths):
     no padding, so a mix of short and long sequences costs what its rows do."""
@@ -158,12 +170,7 @@ class _Packed:
         lengths, key_lengths = self.query_lengths[chosen], self.key_lengths[chosen]
         longest, width = int(lengths.max()), int(key_lengths.max())
         count = longest if rows is None else min(rows, longest)
-        # drawn on the host generator, so a seed picks the same rows on every device; positions past a sequence's
-        # end are drawn last, so after sorting a short sequence's real rows come first
-        draw = torch.rand(len(chosen), longest, generator=generator).to(device)
-        draw[torch.arange(longest, device=device) >= lengths[:, None]] = 2.0
-        picks = draw.argsort(dim=1)[:, :count].sort(dim=1).values  # (B, rows)
-        real = torch.arange(count, device=device) < lengths.clamp(max=count)[:, None]  # (B, rows)
+        picks, real = drawn_rows(lengths, count, generator)
         # rows past a sequence's end read whatever follows it (kept in bounds): masked out below
         rows_at = (self.query_starts[chosen][:, None] + picks).clamp(max=self.x.shape[0] - 1)  # (B, rows)
         keys_at = (self.key_starts[chosen][:, None] + torch.arange(width, device=device)).clamp(

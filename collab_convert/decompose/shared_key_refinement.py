@@ -18,6 +18,7 @@ import torch
 
 from ..devices import HOST, Device, training_products
 from .held_out_adam import adam_with_held_out, held_out_count
+from .refinement import drawn_rows
 from .shared_key import HeadGeometry, SharedKeyFactors, slot_frequencies
 from .shared_key_batches import AttentionSetting, SharedKeySample, StackedSequences
 from .value_latent import ValueLatent
@@ -95,11 +96,13 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
     products = training_products(device)  # the steps' products; the held-out checks stay in float32
 
     sequences = StackedSequences(train, geometry, setting, slots, device, targets=True, products=products)
-    lengths = sequences.query_lengths.tolist()
+    lengths = sequences.query_lengths.to(HOST)
 
     def minibatch_loss() -> torch.Tensor:
+        # the rows of all the chosen sequences in one draw (a draw and a sort per sequence, and the positions
+        # assembled row by row, were a tenth of a SmolLM2 step)
         chosen = torch.randperm(len(train), generator=generator)[:batch_sequences]
-        picks = [torch.randperm(lengths[i], generator=generator)[:query_rows].sort().values for i in chosen]
+        picks = drawn_rows(lengths[chosen], min(query_rows, int(lengths[chosen].max())), generator)
         loss, norm = sequences.problem(chosen, picks, products).loss(*parameters)
         return loss / max(norm, 1e-30)
 

@@ -25,6 +25,16 @@ def sequences_and_setting(seed: int = 0, output: bool = True):
     return samples, setting, factors
 
 
+def rows_of(picks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's query positions as a step's batch takes them: (positions, which are real), both padded to
+    the most positions (refinement.drawn_rows)."""
+    width = max(len(pick) for pick in picks)
+    positions, real = torch.zeros(len(picks), width, dtype=torch.long), torch.zeros(len(picks), width, dtype=bool)
+    for i, pick in enumerate(picks):
+        positions[i, : len(pick)], real[i, : len(pick)] = pick, True
+    return positions, real
+
+
 def original_output(sample: SharedKeySample, setting: AttentionSetting, rows: torch.Tensor) -> torch.Tensor:
     """The layer's attention output at `rows`, written out head by head from the raw sequence."""
     n = sample.keys.shape[0]
@@ -46,7 +56,7 @@ def test_the_stacked_targets_are_each_sequences_own_attention_output_at_the_draw
     stacked = StackedSequences(samples, GEOMETRY, setting, slots, targets=True)
     chosen = torch.tensor([3, 0, 5])
     picks = [torch.tensor([0, 4, 8]), torch.tensor([1, 2, 23]), torch.tensor([16])]
-    problem = stacked.problem(chosen, picks)
+    problem = stacked.problem(chosen, rows_of(picks))
     for i, (sequence, rows) in enumerate(zip(chosen.tolist(), picks)):
         expected = original_output(samples[sequence], setting, rows)
         assert torch.allclose(problem.target_output[i, : len(rows)], expected, atol=1e-4)
@@ -60,8 +70,9 @@ def test_a_gathered_step_scores_the_shared_form_as_its_sequences_alone_would():
         slots = slot_frequencies(factors.ranks)
         parameters = (factors.key_mixing.float(), factors.query_core.float(), factors.pass_core.float())
         chosen, picks = torch.tensor([4, 1]), [torch.tensor([2, 3, 19]), torch.tensor([0, 12])]
-        gathered = StackedSequences(samples, GEOMETRY, setting, slots, targets=True).problem(chosen, picks)
-        alone = StackedSequences([samples[i] for i in chosen], GEOMETRY, setting, slots).problem(torch.arange(2), picks)
+        gathered = StackedSequences(samples, GEOMETRY, setting, slots, targets=True).problem(chosen, rows_of(picks))
+        alone = StackedSequences([samples[i] for i in chosen], GEOMETRY, setting, slots).problem(torch.arange(2),
+                                                                                          rows_of(picks))
         (loss, norm), (expected, expected_norm) = gathered.loss(*parameters), alone.loss(*parameters)
         assert loss > 0 and torch.isclose(loss, expected, rtol=1e-5) and abs(norm - expected_norm) < 1e-4 * norm
 
@@ -72,8 +83,8 @@ def test_at_full_width_every_gathered_row_is_reproduced():
                               statistics_of(samples[0].queries.float(), samples[0].keys.float(), GEOMETRY)),
                           GEOMETRY, KeyRanks.full(GEOMETRY))
     stacked = StackedSequences(samples, GEOMETRY, setting, slot_frequencies(full.ranks), targets=True)
-    problem = stacked.problem(torch.tensor([1, 3, 2]), [torch.tensor([0, 5, 12]), torch.tensor([8]),
-                                                        torch.tensor([3, 19])])
+    problem = stacked.problem(torch.tensor([1, 3, 2]), rows_of([torch.tensor([0, 5, 12]), torch.tensor([8]),
+                                                                torch.tensor([3, 19])]))
     loss, norm = problem.loss(full.key_mixing.float(), full.query_core.float(), full.pass_core.float())
     assert float(loss) < 1e-8 * norm
 
@@ -86,7 +97,7 @@ def test_queries_may_read_keys_of_another_length():
                for n, s in zip([5, 24, 11, 16, 8, 21], samples)]
     setting.causal = False
     stacked = StackedSequences(crossed, GEOMETRY, setting, slot_frequencies(factors.ranks), targets=True)
-    problem = stacked.problem(torch.tensor([0, 3]), [torch.tensor([1, 4]), torch.tensor([0, 15])])
+    problem = stacked.problem(torch.tensor([0, 3]), rows_of([torch.tensor([1, 4]), torch.tensor([0, 15])]))
     for i, (sample, rows) in enumerate(zip([crossed[0], crossed[3]], [torch.tensor([1, 4]), torch.tensor([0, 15])])):
         queries = rotate_half_dims(sample.queries.float().transpose(0, 1), setting.cos[: len(sample.queries)],
                                    setting.sin[: len(sample.queries)], 8)
@@ -140,6 +151,22 @@ def test_steps_in_bfloat16_read_their_operands_kept_in_it_and_score_as_float32_d
     halved = StackedSequences(samples, GEOMETRY, setting, slots, targets=True, products=torch.bfloat16)
     assert halved.keys.dtype == halved.values.dtype == halved.setting.output_weight.dtype == torch.bfloat16
     assert torch.equal(halved.target_output, exact.target_output)  # computed in float32 before
-    (loss, norm) = halved.problem(chosen, picks, torch.bfloat16).loss(*parameters)
-    (expected, expected_norm) = exact.problem(chosen, picks).loss(*parameters)
+    (loss, norm) = halved.problem(chosen, rows_of(picks), torch.bfloat16).loss(*parameters)
+    (expected, expected_norm) = exact.problem(chosen, rows_of(picks)).loss(*parameters)
     assert norm == expected_norm and abs(float(loss) - float(expected)) < 0.03 * float(expected)
+
+
+def test_a_step_draws_distinct_sorted_rows_within_each_sequence_in_one_draw():
+    from collab_convert.decompose.refinement import drawn_rows
+
+    lengths = torch.tensor([24, 3, 13])
+    positions, real = drawn_rows(lengths, 5, torch.Generator().manual_seed(0))
+    assert positions.shape == real.shape == (3, 5)
+    assert real.tolist() == [[True] * 5, [True] * 3 + [False] * 2, [True] * 5]
+    for row, length in zip(positions, lengths.tolist()):
+        drawn = row[: min(length, 5)]
+        assert torch.equal(drawn, drawn.sort().values) and len(set(drawn.tolist())) == len(drawn)
+        assert int(drawn.max()) < length
+    assert sorted(positions[1, :3].tolist()) == [0, 1, 2]  # a short sequence gives all its rows
+    again, _ = drawn_rows(lengths, 5, torch.Generator().manual_seed(0))
+    assert torch.equal(positions, again)  # a seed draws the same rows
