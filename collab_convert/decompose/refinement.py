@@ -98,10 +98,9 @@ def _collaborative_kl(parameters, batch: _Batch, scaling: float, products: torch
 
 
 def drawn_rows(lengths: torch.Tensor, count: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`count` query positions of each sequence drawn without replacement and sorted, (B, count); which of them
-    are real, (B, count)), for sequences of `lengths`, all in one draw. On the host generator, so a seed picks the
-    same rows on every device; positions past a sequence's end are drawn last, so after sorting a short
-    sequence's real rows come first (the rest, in bounds of the longest, are masked by the caller)."""
+    """(`count` positions of each sequence of `lengths` drawn without replacement and sorted; which are real), both
+    (B, count), in one draw on the host generator (a seed picks the same rows on every device). Positions past a
+    sequence's end are drawn last: a short sequence's real rows come first, the rest are the caller's to mask."""
     device, longest = lengths.device, int(lengths.max())
     draw = torch.rand(len(lengths), longest, generator=generator).to(device)
     draw[torch.arange(longest, device=device) >= lengths[:, None]] = 2.0
