@@ -73,10 +73,8 @@ class KeyStatistics:
         return self.key_moment, self.query_energy, self.pass_key_covariance, self.pass_query_moment
 
 
-def statistics_of(queries: torch.Tensor, keys: torch.Tensor, geometry: HeadGeometry,
-                  lengths: list[int] | None = None) -> KeyStatistics:
-    """Sums (not means) over the tokens of one sequence, or of several one after another (`lengths`, each centred
-    on its own as if alone): queries (n, N_h, d) and keys (n, G, d), before RoPE.
+def statistics_of(queries: torch.Tensor, keys: torch.Tensor, geometry: HeadGeometry) -> KeyStatistics:
+    """Sums (not means) over the tokens of one sequence: queries (n, N_h, d) and keys (n, G, d), before RoPE.
 
     In real arithmetic, float64: a frequency's complex key moment from the Gram matrix of its keys' real and
     imaginary parts, |q|^2 as the sum of the two squares. Complex tensors cost six times as much here (abs, the
@@ -95,16 +93,11 @@ def statistics_of(queries: torch.Tensor, keys: torch.Tensor, geometry: HeadGeome
     energy.index_add_(1, group_of_head, (squares[:, :half] + squares[:, half:]).T)
     p = geometry.pass_dim
     pass_keys = keys[..., geometry.rotary_dim:].reshape(keys.shape[0], -1).double()
-    # each sequence's pass-through keys centred on its own mean: sum_s (K_s - mean_s)^T (K_s - mean_s) is
-    # K^T K - sum_s n_s mean_s mean_s^T
-    lengths = torch.tensor(lengths or [keys.shape[0]], device=keys.device)
-    sums = torch.zeros(len(lengths), pass_keys.shape[1], dtype=torch.float64, device=keys.device).index_add_(
-        0, torch.repeat_interleave(torch.arange(len(lengths), device=keys.device), lengths), pass_keys)
-    pass_covariance = pass_keys.T @ pass_keys - (sums.T / lengths.clamp_min(1)) @ sums
+    centred = pass_keys - pass_keys.mean(0, keepdim=True)
     pass_queries = queries[..., geometry.rotary_dim:].double()  # (n, N_h, p)
     query_moment = torch.zeros(geometry.kv_heads, p, p, dtype=torch.float64, device=queries.device)
     query_moment.index_add_(0, group_of_head, torch.einsum("nhp,nhq->hpq", pass_queries, pass_queries))
-    return KeyStatistics(key_moment, energy, pass_covariance, query_moment)
+    return KeyStatistics(key_moment, energy, centred.T @ centred, query_moment)
 
 
 def projection_tokens(weight: torch.Tensor, bias: torch.Tensor | None, heads: int, head_dim: int) -> torch.Tensor:

@@ -143,22 +143,18 @@ class SharedKeyObserver:
             wanted = self.keep or self.value_moments
             values = layout.original_values(module, source, heads) if wanted else queries
             self.replay.replay()
-            # each sequence cut to its real tokens (no padding counted), and the batch's summed at once: a call
-            # per sequence was 3 s of SmolLM2's 300-document pass
-            real = [current.sequences(t) for t in (queries, keys, values)]
-            lengths = [query.shape[0] for query in real[0]]
-            more = statistics_of(torch.cat(real[0]).float(), torch.cat(real[1]).float(), geometry, lengths)
-            record.statistics = more if record.statistics is None else record.statistics + more
-            if self.value_moments:
-                moment = value_moment(torch.cat(real[2]).float())
-                record.value_moment = moment if record.value_moment is None else record.value_moment + moment
-            self.tokens[prefix] += sum(lengths)
+            real = zip(current.sequences(queries), current.sequences(keys), current.sequences(values), strict=True)
             kept = self.awaiting[prefix] = []
-            for row, sequence in enumerate(zip(*real, strict=True)):
-                if len(record.samples) >= self.keep:
-                    break
-                record.samples.append(SharedKeySample(*(host_copy(t, torch.float16) for t in sequence)))
-                kept.append((row, record.samples[-1]))
+            for row, (query, key, value) in enumerate(real):  # each cut to its real tokens: no padding counted
+                more = statistics_of(query.float(), key.float(), geometry)
+                record.statistics = more if record.statistics is None else record.statistics + more
+                if self.value_moments:
+                    moment = value_moment(value.float())
+                    record.value_moment = moment if record.value_moment is None else record.value_moment + moment
+                self.tokens[prefix] += query.shape[0]
+                if len(record.samples) < self.keep:
+                    record.samples.append(SharedKeySample(*(host_copy(t, torch.float16) for t in (query, key, value))))
+                    kept.append((row, record.samples[-1]))
             cos, sin = rotary_tables(kwargs, hidden)
             if record.setting is None or record.setting.cos.shape[0] < cos.shape[1]:
                 output = layout.output_weight(module)

@@ -201,23 +201,3 @@ def test_statistics_are_the_complex_moments_of_each_frequency(geometry):
                                    for group in range(geometry.kv_heads)], 1)
     assert torch.allclose(statistics.key_moment, expected_moment, rtol=1e-12, atol=1e-10)
     assert torch.allclose(statistics.query_energy, expected_energy, rtol=1e-12, atol=1e-10)
-
-
-def test_several_sequences_at_once_sum_to_each_sequence_alone_each_centred_on_its_own():
-    """A calibration batch's sequences are summed in one call: the pass-through keys of each are still centred on
-    that sequence's own mean (a constant key offset cancels only within the keys one query sees)."""
-    from collab_convert.decompose.shared_key import statistics_of
-
-    geometry = HeadGeometry(4, 2, 16, 4)  # partial rotary: most dimensions pass through
-    g = torch.Generator().manual_seed(12)
-    lengths = [7, 1, 19, 12]
-    queries = [torch.randn(n, geometry.num_heads, geometry.head_dim, generator=g) for n in lengths]
-    keys = [torch.randn(n, geometry.kv_heads, geometry.head_dim, generator=g) + 3 * i for i, n in enumerate(lengths)]
-    together = statistics_of(torch.cat(queries), torch.cat(keys), geometry, lengths)
-    alone = [statistics_of(q, k, geometry) for q, k in zip(queries, keys)]
-    expected = sum(alone[1:], alone[0])
-    for name in ("key_moment", "query_energy", "pass_key_covariance", "pass_query_moment"):
-        assert torch.allclose(getattr(together, name), getattr(expected, name), rtol=1e-10, atol=1e-9), name
-    # centred once over all of them, the offsets between sequences would count as key energy
-    once = statistics_of(torch.cat(queries), torch.cat(keys), geometry)
-    assert float(once.pass_key_covariance.trace()) > 1.5 * float(expected.pass_key_covariance.trace())
