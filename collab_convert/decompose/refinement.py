@@ -97,11 +97,12 @@ def _collaborative_kl(parameters, batch: _Batch, scaling: float, products: torch
     return (batch.entropy - (batch.target_p * log_q).sum()) / batch.rows
 
 
-def drawn_rows(lengths: torch.Tensor, count: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`count` positions of each sequence of `lengths` drawn without replacement and sorted; which are real), both
-    (B, count), in one draw on the host generator (a seed picks the same rows on every device). Positions past a
-    sequence's end are drawn last: a short sequence's real rows come first, the rest are the caller's to mask."""
+def drawn_rows(lengths: torch.Tensor, rows: int | None, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`rows` positions of each sequence of `lengths`, at most the longest's (None: all), drawn without replacement
+    and sorted; which are real), both (B, count), in one draw on the host generator (a seed picks the same rows on
+    every device). Positions past a sequence's end come last: the caller masks them."""
     device, longest = lengths.device, int(lengths.max())
+    count = longest if rows is None else min(rows, longest)
     draw = torch.rand(len(lengths), longest, generator=generator).to(device)
     draw[torch.arange(longest, device=device) >= lengths[:, None]] = 2.0
     picks = draw.argsort(dim=1)[:, :count].sort(dim=1).values
@@ -167,9 +168,8 @@ class _Packed:
         device = self.x.device
         chosen = chosen.to(device)
         lengths, key_lengths = self.query_lengths[chosen], self.key_lengths[chosen]
-        longest, width = int(lengths.max()), int(key_lengths.max())
-        count = longest if rows is None else min(rows, longest)
-        picks, real = drawn_rows(lengths, count, generator)
+        width = int(key_lengths.max())
+        picks, real = drawn_rows(lengths, rows, generator)
         # rows past a sequence's end read whatever follows it (kept in bounds): masked out below
         rows_at = (self.query_starts[chosen][:, None] + picks).clamp(max=self.x.shape[0] - 1)  # (B, rows)
         keys_at = (self.key_starts[chosen][:, None] + torch.arange(width, device=device)).clamp(

@@ -102,7 +102,7 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
         # the rows of all the chosen sequences in one draw (a draw and a sort per sequence, and the positions
         # assembled row by row, were a tenth of a SmolLM2 step)
         chosen = torch.randperm(len(train), generator=generator)[:batch_sequences]
-        picks = drawn_rows(lengths[chosen], min(query_rows, int(lengths[chosen].max())), generator)
+        picks = drawn_rows(lengths[chosen], query_rows, generator)
         loss, norm = sequences.problem(chosen, picks, products).loss(*parameters)
         return loss / max(norm, 1e-30)
 

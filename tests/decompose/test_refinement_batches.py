@@ -170,3 +170,5 @@ def test_a_step_draws_distinct_sorted_rows_within_each_sequence_in_one_draw():
     assert sorted(positions[1, :3].tolist()) == [0, 1, 2]  # a short sequence gives all its rows
     again, _ = drawn_rows(lengths, 5, torch.Generator().manual_seed(0))
     assert torch.equal(positions, again)  # a seed draws the same rows
+    for asked in (None, 99):  # every row, or more than the longest has: as many as the longest has
+        assert drawn_rows(lengths, asked, torch.Generator().manual_seed(0))[0].shape == (3, 24)
