@@ -10,13 +10,14 @@ content biases. Every other weight stays as it was. What it learns depends on wh
 The step for each tensor is a share of its own scale, so models of any scale and dtype get the same relative
 step.
 
-The best state on a held-out tenth of the texts (at most the objective's held_out_max) is kept, judged every CHECK_EVERY
-steps by the held-out measure (next-token KL; for an encoder, 1 - cosine of the sentence embeddings), and the
-run stops early after PATIENCE checks without a gain. Unlike the rest of a calibrated run, both models are
-loaded whole, on the run's device; the best state comes back in host memory. A bfloat16 checkpoint on a device
-that multiplies bfloat16 trains in mixed precision: the original in its own dtype, the result's products under
-autocast to it, the tuned tensors in float32 (SmolLM2: a step 2.03 s against 3.53 s, beside a bfloat16
-forward-backward pass of 1.7-1.9 s).
+The best state on a held-out tenth of the texts (at most the objective's held_out_max) is kept, judged every
+CHECK_EVERY steps by the held-out measure (next-token KL; for an encoder, 1 - cosine of the sentence embeddings),
+and the run stops early after PATIENCE checks without a gain. Unlike the rest of a calibrated run, both models are
+loaded whole, on the run's device; the best state comes back in host memory. An encoder's original runs once per
+text: its final states are kept for the later steps that draw the text (a language model's next-token
+distributions are too large to keep). A bfloat16 checkpoint on a device that multiplies bfloat16 trains in mixed
+precision: the original in its own dtype, the result's products under autocast to it, the tuned tensors in
+float32 (SmolLM2: a step 2.03 s against 3.53 s, beside a bfloat16 forward-backward pass of 1.7-1.9 s).
 """
 
 from __future__ import annotations
@@ -74,14 +75,17 @@ class NextTokens:
     measure = "next-token KL, nats per token"
     batch_sequences, relative_step, held_out_max = BATCH_SEQUENCES, RELATIVE_STEP, HELD_OUT_MAX
     auto_class = "AutoModelForCausalLM"  # what the student and the teacher load as
-
+    kept = False  # a text's reference is vocabulary x tokens floats (SmolLM2: 25 MB for 128 tokens): recomputed
 
     @staticmethod
-    def losses(teacher, student, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def reference(teacher, input_ids, attention_mask) -> torch.Tensor:
+        """The original's next-token log-probabilities, (batch, tokens, vocabulary)."""
+        return torch.log_softmax(teacher(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)
+
+    @staticmethod
+    def losses(target, student, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(training loss summed over the units, held-out measure summed over them, how many units)."""
         real = attention_mask.bool()
-        with torch.no_grad():
-            target = torch.log_softmax(teacher(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)
         predicted = torch.log_softmax(student(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)
         kl = torch.nn.functional.kl_div(predicted, target, log_target=True, reduction="none").sum(-1)[real].sum()
         return kl, kl.detach(), int(real.sum())
@@ -100,15 +104,21 @@ class Embeddings:
     batch_sequences, relative_step = 16, 3e-4
     held_out_max = 64  # an embedding is cheap to score: a steadier choice of the best state
     auto_class = "AutoModel"
-
+    kept = True  # a text's final states are tokens x width floats: computed once, not at every step that draws it
 
     @staticmethod
-    def losses(teacher, student, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor, int]:
-        from .fidelity import mean_pooled, text_inputs
+    def reference(teacher, input_ids, attention_mask) -> torch.Tensor:
+        """The original's final token states, (batch, tokens, width)."""
+        from .fidelity import text_inputs
 
         batch = text_inputs(teacher.config, {"input_ids": input_ids, "attention_mask": attention_mask})
-        with torch.no_grad():
-            target = teacher(**batch).last_hidden_state.float()
+        return teacher(**batch).last_hidden_state.float()
+
+    @staticmethod
+    def losses(target, student, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor, int]:
+        from .fidelity import mean_pooled, text_inputs
+
+        batch = text_inputs(student.config, {"input_ids": input_ids, "attention_mask": attention_mask})
         states = student(**batch).last_hidden_state.float()
         real = attention_mask.to(states.dtype)
         token_loss = ((1 - torch.nn.functional.cosine_similarity(states, target, dim=-1)) * real).sum(1)
@@ -130,7 +140,6 @@ def distill(original: Path, result: Path, texts: list[str], max_length: int, ste
     """Tune the collaborative tensors of the checkpoint at `result` (or the checkpoint tensors `names`) against the
     model at `original`, by `objective` (NextTokens or Embeddings); the best state of the tuned tensors, by
     parameter name in the loaded model (the caller writes them into the checkpoint), and what happened."""
-    from .batches import right_padded
     from .loading import for_measuring, load_tokenizer
 
     started = time.perf_counter()
@@ -139,17 +148,19 @@ def distill(original: Path, result: Path, texts: list[str], max_length: int, ste
     student = for_measuring(_loaded(objective, result, ours=True, device=device)).to(device)
     tuned = _tunable(student, names)
     student = _Autocast(student, floating_dtype(teacher), torch.device(device).type)
-    training, held_out = _split(tokenizer(texts, truncation=True, max_length=max_length)["input_ids"],
-                                objective.held_out_max)
+    sequences = [ids for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
+                 if len(ids) >= 2]
+    training, held_out = _split(len(sequences), objective.held_out_max)
+    references = _References(objective, teacher, sequences, tokenizer.pad_token_id or 0, device)
     generator = torch.Generator().manual_seed(seed)
     step_of = objective.relative_step
     optimiser = torch.optim.Adam([{"params": [p], "lr": step_of * float(p.detach().pow(2).mean().sqrt())}
                                   for p in tuned.values()])
     batch = objective.batch_sequences
 
-    def batch_losses(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        input_ids, attention_mask = moved(right_padded(sequences, pad=tokenizer.pad_token_id or 0), device)
-        return objective.losses(teacher, student, input_ids, attention_mask)
+    def batch_losses(chosen: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        reference, input_ids, attention_mask = references.of(chosen)
+        return objective.losses(reference, student, input_ids, attention_mask)
 
     @torch.no_grad()
     def held_out_measure() -> float:
@@ -185,6 +196,46 @@ def distill(original: Path, result: Path, texts: list[str], max_length: int, ste
     return best_state, report
 
 
+class _References:
+    """The original's reference (objective.reference) for batches of the encoded sequences: where the objective
+    keeps them, each sequence's is computed the first time a batch draws it and kept in host memory (float16
+    where it fits: a text's final states, not its logits), so the original runs once per text, not once per
+    step that draws it (MiniLM, 16 texts a step: a third of a step was the original's forward)."""
+
+    def __init__(self, objective, teacher, sequences: list[list[int]], pad: int, device: Device):
+        self.objective, self.teacher, self.sequences, self.pad, self.device = objective, teacher, sequences, pad, device
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def of(self, chosen: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(reference, input_ids, attention_mask) of these sequences, right-padded."""
+        input_ids, attention_mask = self._padded(chosen)
+        if not self.objective.kept:
+            with torch.no_grad():
+                return self.objective.reference(self.teacher, input_ids, attention_mask), input_ids, attention_mask
+        missing = [i for i in chosen if i not in self.kept]
+        if missing:
+            with torch.no_grad():
+                computed = self.objective.reference(self.teacher, *self._padded(missing))
+            for row, i in enumerate(missing):
+                self.kept[i] = _compact(computed[row, : len(self.sequences[i])])
+        reference = torch.zeros(*input_ids.shape, self.kept[chosen[0]].shape[-1], device=self.device)
+        for row, i in enumerate(chosen):
+            reference[row, : len(self.sequences[i])] = self.kept[i].to(self.device, torch.float32)
+        return reference, input_ids, attention_mask
+
+    def _padded(self, chosen: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        from .batches import right_padded
+
+        return moved(right_padded([self.sequences[i] for i in chosen], pad=self.pad), self.device)
+
+
+def _compact(reference: torch.Tensor) -> torch.Tensor:
+    """A host copy in float16 where every value fits it (relative rounding 5e-4: a cosine moves by ~1e-7), else
+    float32."""
+    half = reference.to(torch.float16)
+    return host_copy(half if bool(torch.isfinite(half).all()) else reference)
+
+
 def _loaded(objective, folder: Path, ours: bool, device: Device = HOST):
     """The model in `folder` as the objective's auto class. Ours (the result, through our loader) in float32: the
     tuned tensors' master copy. The original in its own dtype where the device multiplies it natively
@@ -202,25 +253,30 @@ def _loaded(objective, folder: Path, ours: bool, device: Device = HOST):
 class _Autocast:
     """The student called under autocast to the teacher's dtype where that is a half precision: its products in
     the precision the original runs in, its tuned float32 tensors the master copy Adam updates (mixed-precision
-    training). In float32 it is the student itself."""
+    training). In float32 it is the student itself. (A float32 encoder's steps in bfloat16 on a CPU with bfloat16
+    units: MiniLM's step in 0.6 of its time, but each step gained a quarter less: not taken.)"""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device_type: str):
         self.model, self.dtype, self.device_type = model, dtype, device_type
+
+    @property
+    def config(self):
+        return self.model.config
 
     def __call__(self, **inputs):
         with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32):
             return self.model(**inputs)
 
 
-def _split(encoded: list[list[int]], most: int = HELD_OUT_MAX) -> tuple[list[list[int]], list[list[int]]]:
-    """(training, held-out) sequences: one in HELD_OUT_SHARE held out, spread over the file as its topics may be."""
-    encoded = [ids for ids in encoded if len(ids) >= 2]
-    if len(encoded) < 2:
+def _split(count: int, most: int = HELD_OUT_MAX) -> tuple[list[int], list[int]]:
+    """(training, held-out) sequence numbers: one in HELD_OUT_SHARE held out, spread over the file as its topics may
+    be."""
+    if count < 2:
         raise BadInputError("--distill-steps needs at least two calibration texts of two tokens or more")
-    held = min(max(len(encoded) // HELD_OUT_SHARE, 1), most)
-    stride = len(encoded) // held
-    held_out = [encoded[i * stride] for i in range(held)]
-    return [ids for i, ids in enumerate(encoded) if i % stride or i // stride >= held], held_out
+    held = min(max(count // HELD_OUT_SHARE, 1), most)
+    stride = count // held
+    held_out = [i * stride for i in range(held)]
+    return [i for i in range(count) if i % stride or i // stride >= held], held_out
 
 
 def _tunable(model: torch.nn.Module, names: list[str] | None = None) -> dict[str, torch.nn.Parameter]:

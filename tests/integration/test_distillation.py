@@ -237,3 +237,29 @@ def test_a_bfloat16_checkpoint_distils_in_mixed_precision_where_the_device_multi
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     assert changed and all(collaborative(name) for name in changed)
     assert fitted.fidelity is not None
+
+
+def test_an_encoders_references_are_computed_once_per_text_and_match_a_fresh_pass(tmp_path):
+    """The original's final states of a text are computed the first time a batch draws it and kept: a later batch
+    that draws it again runs the original only on the texts it has not seen, and gets the states a fresh pass
+    gives (to float16's rounding), padding where the batch is longer than the text."""
+    from transformers import AutoModel
+
+    from collab_convert.integration.distillation import Embeddings, _References
+
+    save_tiny(tmp_path / "encoder")
+    teacher = AutoModel.from_pretrained(tmp_path / "encoder").eval()
+    texts_run = []
+    teacher.register_forward_pre_hook(lambda module, args, kwargs: texts_run.append(kwargs["input_ids"].shape[0]),
+                                      with_kwargs=True)
+    sequences = [[1, 5, 6, 2], [1, 7, 2], [1, 8, 9, 10, 11, 2], [1, 12, 2]]
+    references = _References(Embeddings, teacher, sequences, pad=0, device="cpu")
+
+    first, _, _ = references.of([0, 1])
+    second, input_ids, attention_mask = references.of([2, 1, 0])
+    assert texts_run == [2, 1]  # the second batch ran the original on text 2 alone
+    with torch.no_grad():
+        fresh = teacher(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    real = attention_mask.bool()
+    assert torch.allclose(second[real], fresh[real], rtol=1e-3, atol=1e-3)
+    assert torch.equal(second[1, :3], first[1, :3]) and not second[~real].any()
