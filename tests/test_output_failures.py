@@ -136,3 +136,22 @@ def test_an_output_path_that_links_into_the_input_is_refused(decoder, tmp_path, 
     err = capsys.readouterr().err
     assert code == 3 and "overlaps the input" in err and err.count("\n") == 1
     assert folder_digest(decoder) == before
+
+
+@pytest.mark.parametrize("where", ["a file as its parent", "a name too long", "inside /proc"])
+def test_an_output_no_folder_can_be_made_at_ends_in_one_line(where, decoder, tmp_path, capsys):
+    """Where the system refuses the output folder itself (not a full or read-only disk): one line, exit 3, and
+    nothing left behind."""
+    from pathlib import Path
+
+    from collab_convert.cli import main
+
+    (tmp_path / "notes.txt").write_text("a file, not a folder")
+    output = {"a file as its parent": tmp_path / "notes.txt" / "out", "a name too long": tmp_path / ("o" * 300),
+              "inside /proc": Path("/proc") / "collab-out"}[where]
+    code = main(["compress", str(decoder), "--key-cache", "0.5", "-o", str(output), "-q"])
+    err = capsys.readouterr().err
+    assert code == 3 and err.startswith("error: could not write the output") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    if where == "a file as its parent":
+        assert "notes.txt is a file, not a folder" in err

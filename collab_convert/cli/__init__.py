@@ -26,7 +26,7 @@ def _is(error: BaseException, class_name: str) -> bool:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point: every failure becomes one line on stderr and an exit code, never a traceback."""
-    from ..errors import CollabError
+    from ..errors import CollabError, first_line
     from ..interrupts import forget_interrupt, request_interrupt
 
     forget_interrupt()
@@ -52,11 +52,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     except OSError as error:
         import errno
 
+        where = f" ({error.filename})" if error.filename else ""
         if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
-            where = f" ({error.filename})" if error.filename else ""
             print_error(f"could not write the output{where}: {error.strerror}; nothing was written")
-            return 3
-        raise
+        else:  # the system refused something else (a file gone or unreadable mid-run): still one line
+            print_error(f"{error.strerror or first_line(error)}{where}")
+        return 3
     except Exception as error:  # click's own exceptions, whichever copy of click raised them
         if _is(error, "NoArgsIsHelpError"):
             print(error.format_message() if hasattr(error, "format_message") else "", file=sys.stderr)

@@ -140,11 +140,17 @@ def check_output(output: Path, source: Path, overwrite: bool) -> None:
     source = source.resolve()
     if output == source or source in output.parents or output in source.parents:
         raise BadInputError(f"output {output} overlaps the input model folder; choose another location")
-    if output.exists():
-        if not output.is_dir():
-            raise OutputExistsError(f"output {output} exists and is a file")
-        if any(output.iterdir()) and not overwrite:
-            raise OutputExistsError(f"output {output} exists and is not empty; pass --overwrite to replace it")
+    try:
+        exists, occupied = output.exists(), output.is_dir() and any(output.iterdir())
+        holder = next((parent for parent in output.parents if parent.exists()), None)
+    except OSError as error:  # a name too long, a folder that cannot be listed
+        raise BadInputError(f"could not write the output {output}: {error.strerror or error}") from error
+    if holder is not None and not holder.is_dir():
+        raise BadInputError(f"could not write the output {output}: {holder} is a file, not a folder")
+    if exists and not output.is_dir():
+        raise OutputExistsError(f"output {output} exists and is a file")
+    if occupied and not overwrite:
+        raise OutputExistsError(f"output {output} exists and is not empty; pass --overwrite to replace it")
 
 
 def _alive(pid: int) -> bool:
@@ -175,10 +181,15 @@ class StagedOutput:
         self.resumed = False  # whether a killed run's finished work was taken over
 
     def __enter__(self) -> "StagedOutput":
-        self.output.parent.mkdir(parents=True, exist_ok=True)
-        self._take_over_abandoned()
-        self.folder.mkdir(exist_ok=self.resumed)
-        (self.folder / self.RESUME).mkdir(exist_ok=True)
+        try:
+            self.output.parent.mkdir(parents=True, exist_ok=True)
+            self._take_over_abandoned()
+            self.folder.mkdir(exist_ok=self.resumed)
+            (self.folder / self.RESUME).mkdir(exist_ok=True)
+        except OSError as error:  # no folder can be made there: /proc, a file as a parent, a name too long, a
+            self.__exit__()  # read-only or full disk
+            raise BadInputError(f"could not write the output {self.output}: {error.strerror or error}; nothing was "
+                                "written") from error
         return self
 
     def _take_over_abandoned(self) -> None:

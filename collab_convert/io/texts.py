@@ -22,6 +22,8 @@ def read_texts(path: Path, limit: int | None = None) -> list[str]:
             raise BadInputError(f"{path} holds no .txt files")
     elif path.is_file():
         files = [path]
+    elif path.exists():  # a device, a pipe: nothing to read line by line to an end
+        raise BadInputError(f"calibration text {path} is not a file or a folder of .txt files")
     else:
         raise BadInputError(f"calibration text {path} does not exist")
     texts: list[str] = []

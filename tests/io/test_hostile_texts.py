@@ -38,3 +38,10 @@ def test_a_folder_of_thousands_of_files_reads_only_what_is_used(tmp_path):
 def test_a_missing_path_is_refused(tmp_path):
     with pytest.raises(BadInputError, match="does not exist"):
         read_texts(tmp_path / "nowhere.txt")
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/null"])
+def test_a_device_is_refused_not_read_without_end(device):
+    """/dev/zero would be read until memory ran out; /dev/null is not a missing file either."""
+    with pytest.raises(BadInputError, match="not a file or a folder"):
+        read_texts(device)
