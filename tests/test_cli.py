@@ -69,6 +69,9 @@ def test_max_error_gate_exits_one(tiny_bert, tmp_path, capsys):
         (["compress", "{model}", "--rank", "49", "-o", "{out}"], 3, "exceeds the full rank"),
         (["compress", "{model}", "--rank", "8"], 2, "--output"),
         (["compress", "{empty}", "--rank", "8", "-o", "{out}"], 3, "has no config.json"),
+        # an unset variable in a script ("$MODEL"): not the embedded default, nor the working directory
+        (["compress", "", "--rank", "8", "-o", "{out}"], 3, "the model is empty"),
+        (["analyze", " "], 3, "the model is empty"),
     ],
 )
 def test_bad_input_gets_one_line_and_an_exit_code(tiny_bert, tmp_path, capsys, arguments, code, message):

@@ -69,7 +69,7 @@ def analyze(
 
     if chosen.plot is not None:  # before the work: a plot that cannot be written must not cost the analysis
         _check_plot_path(chosen.plot)
-    result = run_with_progress(run_analyze, model or DEFAULT_MODEL, chosen, show=not as_json, stage_lines=True)
+    result = run_with_progress(run_analyze, DEFAULT_MODEL if model is None else model, chosen, show=not as_json, stage_lines=True)
     if chosen.plot is not None:
         from ..forms import form_named
         from ..report.plots import plot_spectra
@@ -119,13 +119,13 @@ def compress(
     from ..report.reports import result_json
 
     if dry_run:
-        checked = plan(model or DEFAULT_MODEL, chosen)
+        checked = plan(DEFAULT_MODEL if model is None else model, chosen)
         if as_json:
             typer.echo(json.dumps(checked.to_dict()))
         else:
             print_plan(checked)
         return
-    result = run_with_progress(run_compress, model or DEFAULT_MODEL, chosen, show=not as_json, stage_lines=True)
+    result = run_with_progress(run_compress, DEFAULT_MODEL if model is None else model, chosen, show=not as_json, stage_lines=True)
     for warning in result.warnings or []:
         print_warning(warning)
     if as_json:

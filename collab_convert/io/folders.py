@@ -38,6 +38,8 @@ REGENERATED_FILES = {"config.json", "README.md", "report.json", "report.md"}
 
 def resolve_model(model: str) -> Path:
     """A local folder, a hub id found in the local Hugging Face cache, or an embedded default."""
+    if not str(model).strip():  # Path("") is the working directory: an unset variable in a script is not a choice
+        raise BadInputError("the model is empty; give a folder, a .gguf file or a hub id")
     path = Path(model).expanduser()
     if path.exists():
         from .gguf import gguf_folder, is_gguf
