@@ -126,6 +126,7 @@ class ProbeTexts:
 
     texts: list[str]
     description: str
+    seen_by_the_fit: bool = False  # no line was left to hold out: the figures overstate what unseen text gets
 
 
 def calibration_texts(options: CompressOptions) -> tuple[list[str], ProbeTexts]:
@@ -139,6 +140,8 @@ def calibration_texts(options: CompressOptions) -> tuple[list[str], ProbeTexts]:
 
     texts = read_texts(options.calibration, options.calibration_samples + PROBE_TEXTS)
     fitted, name = texts[: options.calibration_samples], text_name(options.calibration)
+    if options.distill_steps and len(texts) < 2:  # refused here, before the costly stages, not after them
+        raise BadInputError(f"--distill-steps needs at least two calibration texts; {name} holds one")
     if texts[options.calibration_samples:]:
         held_out = texts[options.calibration_samples:]
         return fitted, ProbeTexts(held_out, f"{len(held_out)} held-out lines of {name}")
@@ -147,8 +150,9 @@ def calibration_texts(options: CompressOptions) -> tuple[list[str], ProbeTexts]:
         return texts[:-held], ProbeTexts(texts[-held:], f"{held} held-out lines of {name} (its last {held}; the fit "
                                                         f"used the {len(texts) - held} before them)")
     reused = fitted[-PROBE_TEXTS:]
-    return fitted, ProbeTexts(reused, f"{len(reused)} lines of {name} (also used for the fit: none were left to "
-                                      "hold out)")
+    lines = f"{len(reused)} line{'s' if len(reused) > 1 else ''}"
+    return fitted, ProbeTexts(reused, f"{lines} of {name} (also used for the fit: none were left to hold out)",
+                              seen_by_the_fit=True)
 
 
 def mixed_calibration(source: SourceModel, options: CompressOptions, texts: list[str]) -> tuple[list[str], str]:

@@ -1,5 +1,9 @@
 """A calibrated run's fidelity figure, and the gates on it (--min-cosine, ...), judge lines the fit never saw."""
 
+import pytest
+
+from collab_convert import compress
+from collab_convert.errors import BadInputError
 from collab_convert.options import CompressOptions
 from collab_convert.stages import calibration_texts
 
@@ -32,4 +36,18 @@ def test_a_file_with_none_to_spare_holds_out_its_last_tenth_from_the_fit(tmp_pat
 def test_a_file_of_fewer_than_ten_lines_lends_them_and_says_the_figure_is_not_held_out(tmp_path):
     fitted, probe = calibration_texts(_options(tmp_path, calibration=_file(tmp_path, 6)))
     assert len(fitted) == 6 and probe.texts == fitted
-    assert "also used for the fit" in probe.description
+    assert "also used for the fit" in probe.description and probe.seen_by_the_fit
+
+
+def test_a_compress_run_on_such_a_file_warns_that_its_figures_overstate(tiny_bert, tmp_path):
+    result = compress(str(tiny_bert), _options(tmp_path, rank=8, calibration=_file(tmp_path, 6), refine_steps=2))
+    assert result.fidelity is not None
+    assert any("overstates" in warning and "ten lines or more" in warning for warning in result.warnings)
+
+
+def test_distillation_on_a_single_line_is_refused_before_the_calibration_pass(tmp_path):
+    """Refused as the texts are read (the late check in the distillation itself came after every costly stage)."""
+    with pytest.raises(BadInputError, match="holds one"):
+        calibration_texts(_options(tmp_path, calibration=_file(tmp_path, 1), distill_steps=5))
+    fitted, _ = calibration_texts(_options(tmp_path, calibration=_file(tmp_path, 2), distill_steps=5))
+    assert len(fitted) == 2
