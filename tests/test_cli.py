@@ -144,6 +144,7 @@ def test_analyze_makes_the_plots_folders_and_refuses_an_unwritable_one_before_an
     assert main(["analyze", str(tiny_bert), "--plot", str(tmp_path / "taken" / "spectra.svg")]) == 3
     error = capsys.readouterr().err
     assert error.startswith("error: cannot write the plot to") and error.count("\n") == 1
+    assert "taken is a file, not a folder" in error  # mkdir says only "File exists"
 
 
 def test_analyze_refuses_a_plot_that_is_not_svg(tiny_bert, tmp_path, capsys):

@@ -32,8 +32,13 @@ QUIET_HELP = "No progress output."
 def _check_plot_path(plot: Path) -> None:
     """Missing folders before the plot are made (as compress's -o); a folder in its place, or one that cannot be
     made, is a one-line error."""
+    from ..io.folders import file_in_the_way
+
     if plot.is_dir():
         raise BadInputError(f"cannot write the plot to {plot}: it is a folder")
+    blocking = file_in_the_way(plot)
+    if blocking is not None:
+        raise BadInputError(f"cannot write the plot to {plot}: {blocking} is a file, not a folder")
     try:
         plot.parent.mkdir(parents=True, exist_ok=True)
     except OSError as failure:

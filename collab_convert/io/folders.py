@@ -144,15 +144,21 @@ def check_output(output: Path, source: Path, overwrite: bool) -> None:
         raise BadInputError(f"output {output} overlaps the input model folder; choose another location")
     try:
         exists, occupied = output.exists(), output.is_dir() and any(output.iterdir())
-        holder = next((parent for parent in output.parents if parent.exists()), None)
+        blocking = file_in_the_way(output)
     except OSError as error:  # a name too long, a folder that cannot be listed
         raise BadInputError(f"could not write the output {output}: {error.strerror or error}") from error
-    if holder is not None and not holder.is_dir():
-        raise BadInputError(f"could not write the output {output}: {holder} is a file, not a folder")
+    if blocking is not None:
+        raise BadInputError(f"could not write the output {output}: {blocking} is a file, not a folder")
     if exists and not output.is_dir():
         raise OutputExistsError(f"output {output} exists and is a file")
     if occupied and not overwrite:
         raise OutputExistsError(f"output {output} exists and is not empty; pass --overwrite to replace it")
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The file standing where one of `path`'s folders should be (mkdir says only "File exists"), or None."""
+    holder = next((parent for parent in path.parents if parent.exists()), None)
+    return holder if holder is not None and not holder.is_dir() else None
 
 
 def _alive(pid: int) -> bool:
