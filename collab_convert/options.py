@@ -65,12 +65,14 @@ class FidelityGates(BaseModel):
 
     model_config = OPTIONS
 
-    min_cosine: float | None = Field(None, description="Exit 1 if the mean cosine of final hidden states to the "
-                                     "original's is below this (measured on held-out lines).")
-    min_cosine_p01: float | None = Field(None, description="Exit 1 if the 1st-percentile cosine is below this.")
-    min_top1: float | None = Field(None, description="Language models: exit 1 if next-token top-1 agreement with "
-                                   "the original is below this.")
-    max_kl: float | None = Field(None, description="Language models: exit 1 if the mean next-token KL to the "
+    # Bounded to what the figures can be: a gate no result can pass (a cosine of 2) is a typo, not a gate.
+    min_cosine: float | None = Field(None, ge=-1, le=1, description="Exit 1 if the mean cosine of final hidden "
+                                     "states to the original's is below this (measured on held-out lines).")
+    min_cosine_p01: float | None = Field(None, ge=-1, le=1, description="Exit 1 if the 1st-percentile cosine is "
+                                         "below this.")
+    min_top1: float | None = Field(None, ge=0, le=1, description="Language models: exit 1 if next-token top-1 "
+                                   "agreement with the original is below this.")
+    max_kl: float | None = Field(None, ge=0, description="Language models: exit 1 if the mean next-token KL to the "
                                  "original exceeds this.")
 
     @property

@@ -72,6 +72,9 @@ def test_max_error_gate_exits_one(tiny_bert, tmp_path, capsys):
         # an unset variable in a script ("$MODEL"): not the embedded default, nor the working directory
         (["compress", "", "--rank", "8", "-o", "{out}"], 3, "the model is empty"),
         (["analyze", " "], 3, "the model is empty"),
+        # a gate no result can pass is a typo, refused before any work
+        (["compress", "{model}", "--rank", "8", "--min-cosine", "2", "-o", "{out}"], 2, "--min-cosine"),
+        (["compress", "{model}", "--rank", "8", "--max-kl", "-0.1", "-o", "{out}"], 2, "--max-kl"),
     ],
 )
 def test_bad_input_gets_one_line_and_an_exit_code(tiny_bert, tmp_path, capsys, arguments, code, message):
