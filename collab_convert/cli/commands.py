@@ -74,7 +74,8 @@ def analyze(
 
     if chosen.plot is not None:  # before the work: a plot that cannot be written must not cost the analysis
         _check_plot_path(chosen.plot)
-    result = run_with_progress(run_analyze, DEFAULT_MODEL if model is None else model, chosen, show=not as_json, stage_lines=True)
+    model = DEFAULT_MODEL if model is None else model  # "" is refused as empty, not taken for the default
+    result = run_with_progress(run_analyze, model, chosen, show=not as_json, stage_lines=True)
     if chosen.plot is not None:
         from ..forms import form_named
         from ..report.plots import plot_spectra
@@ -123,14 +124,15 @@ def compress(
     from ..io.folders import DEFAULT_MODEL
     from ..report.reports import result_json
 
+    model = DEFAULT_MODEL if model is None else model  # "" is refused as empty, not taken for the default
     if dry_run:
-        checked = plan(DEFAULT_MODEL if model is None else model, chosen)
+        checked = plan(model, chosen)
         if as_json:
             typer.echo(json.dumps(checked.to_dict()))
         else:
             print_plan(checked)
         return
-    result = run_with_progress(run_compress, DEFAULT_MODEL if model is None else model, chosen, show=not as_json, stage_lines=True)
+    result = run_with_progress(run_compress, model, chosen, show=not as_json, stage_lines=True)
     for warning in result.warnings or []:
         print_warning(warning)
     if as_json:
