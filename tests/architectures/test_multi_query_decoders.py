@@ -134,6 +134,8 @@ def test_calibration_refines_keys_and_values_together(tmp_path):
     ("phi", ("--form", "multi-query", "--kv-cache", "0.5"), "not offered for model_type 'phi'"),
     ("llama", ("--kv-cache", "0.5", "--key-cache", "0.5"), "not --key-cache"),
     ("llama", ("--form", "multi-query", "--rank", "15"), "must be even"),
+    # a budget below one RoPE pair per token was raised to one silently: more cache than asked for
+    ("llama", ("--kv-cache", "1e-9"), "less than one rotary pair"),
 ])
 def test_what_the_stock_shape_cannot_say_is_refused_in_one_line(name, flags, why, tmp_path, capsys):
     build_rotary(case(name), tmp_path / "in")

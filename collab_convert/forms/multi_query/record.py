@@ -37,6 +37,9 @@ def plan_width(source: SourceModel, options: CompressOptions) -> int:
     if options.kv_cache is not None:
         if options.rank is not None:
             raise BadInputError("give --rank or --kv-cache, not both")
+        if options.kv_cache * full < 2:  # a head holds at least one RoPE pair: more than asked is not a budget
+            raise BadInputError(f"--kv-cache {options.kv_cache:g} leaves less than one rotary pair (2 numbers) per "
+                                f"token and layer; the smallest multi-query cache of this model is {2 / full:.4g}")
         return serving_width(options.kv_cache * full, full)
     if not isinstance(options.rank, int):
         raise BadInputError(f"{source.family.name} in the multi-query form: give --kv-cache (a share of the KV "
