@@ -190,19 +190,23 @@ def _check_rotary(skeleton: torch.nn.Module) -> None:
 
 
 def _angles(rotary: torch.nn.Module, config) -> list[torch.Tensor]:
+    """The rotary tables, and the angles at a short input and at one as long as the model was trained on: a
+    length-dependent RoPE (longrope) computes other factors for each, so both must work."""
     last = int(getattr(config, "max_position_embeddings", 0) or 0) - 1
-    positions = torch.tensor([[0, 1, max(last, 2)]])
     probe = torch.zeros(1, dtype=torch.float32)
     layer_types = sorted({t for t in (getattr(config, "layer_types", None) or []) if isinstance(t, str)})
     tensors = [buffer for buffer in rotary.buffers() if buffer.is_floating_point()]
     scalings = [value for key, value in vars(rotary).items() if key.endswith("attention_scaling")]
     tensors += [torch.as_tensor(float(value)) for value in scalings if isinstance(value, (int, float))]
-    try:
-        calls = [rotary(probe, positions)]
-    except TypeError:  # one rotary embedding per layer type (sliding and full attention)
-        calls = [rotary(probe, positions, layer_type=t) for t in layer_types]
-    for call in calls:
-        tensors += [t for t in call if isinstance(t, torch.Tensor)]
+    for positions in (torch.tensor([[0, 1, 2]]), torch.tensor([[0, 1, max(last, 2)]])):
+        try:
+            calls = [rotary(probe, positions)]
+        except TypeError:  # one rotary embedding per layer type (sliding and full attention)
+            if not layer_types:  # a TypeError of the RoPE set-up itself, not of the call
+                raise
+            calls = [rotary(probe, positions, layer_type=t) for t in layer_types]
+        for call in calls:
+            tensors += [t for t in call if isinstance(t, torch.Tensor)]
     return tensors
 
 
