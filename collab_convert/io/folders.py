@@ -286,15 +286,17 @@ def record_dtype(folder: Path, dtype) -> None:
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
 
+def weight_bytes(folder: Path) -> int:
+    """Bytes of the weight files directly in `folder`."""
+    return sum(f.stat().st_size for f in Path(folder).iterdir() if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
+
+
 def weights_on_disk(source: Path, output: Path) -> dict:
     """Bytes of weight files in the input and the output folders; where the input was a GGUF file dequantised into
     a cached folder (io/gguf.py), that file's own size too, so a report can say what the user gave."""
     from .gguf import source_of
 
-    def size(folder: Path) -> int:
-        return sum(f.stat().st_size for f in Path(folder).iterdir() if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
-
-    sizes = {"input_bytes": size(source), "output_bytes": size(output)}
+    sizes = {"input_bytes": weight_bytes(source), "output_bytes": weight_bytes(output)}
     gguf = source_of(source)
     if gguf and Path(gguf).is_file():
         sizes["input_gguf"], sizes["input_gguf_bytes"] = gguf, Path(gguf).stat().st_size

@@ -47,6 +47,39 @@ def test_block_at_a_time_statistics_equal_whole_passes(family, tmp_path, monkeyp
             assert torch.allclose(mine.float(), theirs.float(), atol=2e-3)
 
 
+@pytest.mark.parametrize("held", ["none", "some", "all"])
+def test_activations_between_blocks_wait_in_memory_or_on_disk_alike(held, tmp_path, monkeypatch):
+    """Up to a share of the checkpoint's bytes a batch's activations stay in memory between blocks, the rest wait
+    on disk: the statistics are the same whichever way each batch waited."""
+    from collab_convert.integration import layerwise
+
+    monkeypatch.setattr(model_runs, "calibration_tokenizer", lambda folder: CharacterTokenizer())
+    monkeypatch.setattr(batching, "BATCH_SEQUENCES", 3)
+    runners = []
+    made = layerwise.BlockRunner.__init__
+
+    def remembered(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self.activations.budget = {"none": 0, "some": 6_000, "all": 1 << 30}[held]
+        runners.append(self)
+
+    monkeypatch.setattr(layerwise.BlockRunner, "__init__", remembered)
+    folder = tmp_path / "gpt2"
+    build_family(family_case("gpt2"), folder)
+    whole = _statistics(folder)
+    by_block = _statistics(folder, scratch=tmp_path / "scratch")
+    in_memory = len(runners[0].activations.held)
+    on_disk = len(list((tmp_path / "scratch" / "activations").glob("*.pt")))
+    assert in_memory + on_disk == 2 * runners[0].batches  # each batch's inputs and hidden states, one place each
+    assert {"none": on_disk == 2 * runners[0].batches, "some": in_memory and on_disk,
+            "all": in_memory == 2 * runners[0].batches}[held]
+    assert runners[0].activations.used <= runners[0].activations.budget
+    for prefix, expected in whole.items():
+        for side in ("query", "key"):
+            mine, theirs = getattr(by_block[prefix], side), getattr(expected, side)
+            assert torch.allclose(mine.covariance, theirs.covariance, rtol=1e-4, atol=1e-5), (prefix, side)
+
+
 @pytest.mark.parametrize("family", ["albert", "bart", "t5"])
 def test_shared_layers_and_two_stacks_run_whole(family, tmp_path):
     """ALBERT runs one block many times per pass; encoder-decoder models have two stacks: whole passes."""
