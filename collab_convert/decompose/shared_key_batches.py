@@ -15,7 +15,7 @@ import torch
 
 from ..devices import HOST, Device, moved
 from .refinement import MASKED, product_in
-from .rotary_ops import query_basis_matrix, rotate_half_dims, rotate_slots
+from .rotary_ops import rotate_half_dims, rotate_slots
 from .shared_key import HeadGeometry
 
 
@@ -70,6 +70,8 @@ class StackedSequences:
         queries = stacked(lambda sample: sample.queries).transpose(1, 2)  # (S, H, n, d)
         cos, sin = setting.cos[: queries.shape[2]], setting.sin[: queries.shape[2]]
         self.queries = rotate_half_dims(queries, cos, sin, geometry.rotary_dim).transpose(1, 2)  # (S, n, H, d)
+        # what a step's shared query reads: gathering a batch's slots from its rows took 4% of a SmolLM2 step
+        self.slot_queries = slot_coordinates(self.queries, slots, geometry.rotary_dim)  # (S, n, H, 2W + p)
         self.keys = stacked(lambda sample: sample.keys)  # (S, m, G, d), before RoPE
         self.values = stacked(lambda sample: sample.values) if samples[0].values is not None else None
         self.query_lengths = torch.tensor([sample.queries.shape[0] for sample in samples], device=device)
@@ -82,6 +84,8 @@ class StackedSequences:
             else:
                 with torch.no_grad():  # in float32, as every check's target; one problem's attention held at a time
                     self.target_output = torch.cat([problem.target_output for problem in self.each_problem(2)])
+        if self.target_output is not None:
+            self.queries = None  # with the targets known, the original attention is never computed again
         if self.target_output is not None and products != torch.float32:
             # with targets known, keys, values and output projection are only operands: kept in the products' dtype
             self.keys, self.values = self.keys.to(products), self.values.to(products)
@@ -98,22 +102,24 @@ class StackedSequences:
         chosen = chosen.to(self.key_lengths.device)
         lengths = self.key_lengths[chosen]
         if picks is None:
-            positions = torch.arange(self.queries.shape[1], device=chosen.device).expand(len(chosen), -1)
+            positions = torch.arange(self.slot_queries.shape[1], device=chosen.device).expand(len(chosen), -1)
             row_valid = positions < self.query_lengths[chosen][:, None]
         else:
             positions, row_valid = (t.to(chosen.device) for t in picks)
         length = int(lengths.max())
         key_valid = torch.arange(length, device=chosen.device)[None, :] < lengths[:, None]
         # index_select on flattened (sequence, position) rows: 4-9x faster on a CPU than advanced indexing
-        rows = (chosen[:, None] * self.queries.shape[1] + positions).flatten()
+        rows = (chosen[:, None] * self.slot_queries.shape[1] + positions).flatten()
 
         def gathered(stacked: torch.Tensor) -> torch.Tensor:  # (B, rows, ...)
             return stacked.flatten(0, 1).index_select(0, rows).view(*positions.shape, *stacked.shape[2:])
 
         target = gathered(self.target_output) if self.target_output is not None else None
-        return AttentionProblem(gathered(self.queries).transpose(1, 2), self.keys[:, :length].index_select(0, chosen),
-                        self.values[:, :length].index_select(0, chosen) if self.values is not None else None,
-                        positions, row_valid, key_valid, self.geometry, self.setting, self.slots, products, target)
+        queries = gathered(self.queries).transpose(1, 2) if self.queries is not None else None
+        return AttentionProblem(queries, self.keys[:, :length].index_select(0, chosen),
+                                self.values[:, :length].index_select(0, chosen) if self.values is not None else None,
+                                positions, row_valid, key_valid, self.geometry, self.setting, self.slots, products,
+                                target, gathered(self.slot_queries).transpose(1, 2))
 
     def problems(self, size: int = 8) -> list[AttentionProblem]:
         """Every sequence at every position, `size` sequences a problem."""
@@ -135,9 +141,11 @@ class AttentionProblem:
     def __init__(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None,
                  positions: torch.Tensor, row_valid: torch.Tensor, key_valid: torch.Tensor, geometry: HeadGeometry,
                  setting: AttentionSetting, slots: torch.Tensor, products: torch.dtype = torch.float32,
-                 target_output: torch.Tensor | None = None):
-        """`queries` (B, H, rows, d) turned by RoPE at `positions`; `keys` and `values` (B, m, G, d) before it;
-        `target_output` the original attention's output at those rows, where already known."""
+                 target_output: torch.Tensor | None = None, slot_queries: torch.Tensor | None = None):
+        """`queries` (B, H, rows, d) turned by RoPE at `positions` (None where `target_output` is given: the
+        original attention is not needed); `keys` and `values` (B, m, G, d) before it; `target_output` the
+        original attention's output at those rows, where already known; `slot_queries` the queries'
+        slot_coordinates, where already gathered."""
         self.geometry, self.setting, self.slots = geometry, setting, slots
         self.products = products  # the dtype of the products that depend on the parameters (the target: float32)
         length = keys.shape[1]
@@ -145,6 +153,8 @@ class AttentionProblem:
         self.key_cos, self.key_sin = setting.cos[:length], setting.sin[:length]
         self.slot_cos, self.slot_sin = self.key_cos[..., slots], self.key_sin[..., slots]
         self.queries = queries
+        if slot_queries is not None:
+            self._slot_queries = slot_queries  # the cached property's value, given
         self.raw_keys = keys
         self.keys = keys.flatten(2)  # (B, m, G d)
         allowed = key_valid[:, None, :].expand(-1, positions.shape[1], -1)
@@ -166,7 +176,7 @@ class AttentionProblem:
                 with torch.no_grad():
                     target_output = self._output(self.target_p, products=torch.float32)
             self.target_output = target_output
-            self.output_energy = float((target_output**2).sum(-1)[self.rows].sum())
+            self.output_energy = float(((target_output**2).sum(-1) * self.rows).sum())
 
     @cached_property
     def _target_scores(self) -> torch.Tensor:
@@ -197,12 +207,15 @@ class AttentionProblem:
 
     def _output(self, probabilities: torch.Tensor, down: torch.Tensor | None = None,
                 up: torch.Tensor | None = None, products: torch.dtype | None = None) -> torch.Tensor:
-        """The layer's output (B, rows, D); with a value latent, every head averages the latent and reads its
-        group's values back through `up`. Its products run in `products` (None: the problem's own)."""
+        """The layer's output (B, rows, D) in the products' dtype; with a value latent, every head averages the
+        latent and reads its group's values back through `up`. Its products run in `products` (None: the
+        problem's own)."""
         dtype = products or self.products  # (no row is all -inf: the mask is finite, MASKED)
 
         def product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-            return product_in(left, right, dtype)
+            # left in the products' dtype: each product's result is the next one's operand, and the error's
+            # subtraction takes the last in float32 (a cast to float32 and back between them was a copy each)
+            return left.to(dtype) @ right.to(dtype)
 
         size, heads, rows, length = probabilities.shape
         if down is None:  # the heads of a group side by side, against their group's values: no copy per head
@@ -222,21 +235,30 @@ class AttentionProblem:
         return product_in(left, right, self.products)
 
     @cached_property
-    def _head_queries(self) -> torch.Tensor:
-        """The rotated queries a head at a time, (H, B rows, d): what one product per head takes."""
-        return self.queries.transpose(0, 1).flatten(1, 2)
+    def _slot_queries(self) -> torch.Tensor:
+        """The rotated queries' slot_coordinates, (B, H, rows, 2W + p)."""
+        return slot_coordinates(self.queries, self.slots, self.geometry.rotary_dim)
 
     def _shared_scores(self, mixing: torch.Tensor, core: torch.Tensor, pass_core: torch.Tensor) -> torch.Tensor:
-        """The shared form's scaled q.k, (B, H, rows, m). A head's cores as one real matrix (per-frequency complex
-        scalars commute with RoPE), the scale folded in: per-slot products and scaling took a sixth of a step."""
+        """The shared form's scaled q.k, (B, H, rows, m). A query's slot is its frequency's complex coordinate
+        times the head's complex core (a scalar per frequency commutes with RoPE), the scale folded into the
+        cores: a few products on the gathered queries, where one real matrix per head took a product per head
+        and a sixth of a step to assemble and transpose."""
         shared_key = rotate_slots(self._product(self.keys, mixing.T), self.slot_cos, self.slot_sin)  # (B, m, K)
-        size, heads, rows, dim = self.queries.shape
-        basis = query_basis_matrix(core, pass_core, self.slots, self.geometry.rotary_dim, dim) * self.setting.scaling
-        shared_query = self._head_queries @ basis  # (H, B rows, K), in float32 as before: a small product
+        width, queries = core.shape[-1], self._slot_queries
+        size, heads, rows, _ = queries.shape
+        real, imaginary = queries[..., :width], queries[..., width:2 * width]
+        core = core * self.setting.scaling
+        core_real, core_imaginary = core[:, 0, None, :], core[:, 1, None, :]  # (H, 1, W)
+        parts = [real * core_real - imaginary * core_imaginary, real * core_imaginary + imaginary * core_real]
+        if pass_core.shape[-1]:
+            parts.append(queries[..., 2 * width:] @ (pass_core * self.setting.scaling))
         # every head against the one shared key in a single product per sequence: no per-head copy of the key
-        shared_query = shared_query.view(heads, size, rows, -1).transpose(0, 1).reshape(size, heads * rows, -1)
-        products = self._product(shared_query, shared_key.transpose(1, 2)).view(size, heads, rows, -1)
-        return self._scores(products, scaled=True)
+        shared_query = torch.cat(parts, dim=-1).reshape(size, heads * rows, -1)
+        products = (shared_query.to(self.products) @ shared_key.transpose(1, 2).to(self.products)).view(
+            size, heads, rows, -1)
+        # the mask's add takes the products to float32 in the same pass (soft-capping wants them there first)
+        return self._scores(products.float() if self.setting.softcap else products, scaled=True)
 
     def predicted(self, mixing: torch.Tensor, core: torch.Tensor, pass_core: torch.Tensor) -> torch.Tensor:
         """The shared form's attention log-probabilities (B, H, rows, m)."""
@@ -260,4 +282,13 @@ class AttentionProblem:
     def output_error(self, probabilities: torch.Tensor, down=None, up=None) -> torch.Tensor:
         """The squared error of the layer's output from these attention probabilities, summed over the rows."""
         error = ((self._output(probabilities, down, up) - self.target_output) ** 2).sum(-1)
-        return error[self.rows].sum()
+        # a product with the rows' 0/1 weights, not a boolean index: that gathers, and its backward scatters
+        return (error * self.rows).sum()
+
+
+def slot_coordinates(queries: torch.Tensor, slots: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """Rotated queries (..., d) at each slot's frequency, (..., 2W + p): the real parts, the imaginary parts, then
+    the pass-through dimensions: what a head's complex core per slot multiplies."""
+    half = rotary_dim // 2
+    rest = torch.arange(rotary_dim, queries.shape[-1], device=slots.device)
+    return queries.index_select(-1, torch.cat([slots, half + slots, rest]).to(queries.device))
