@@ -130,8 +130,8 @@ def weights_held(block: nn.Module):
 
 
 # Activations between blocks stay in host memory up to this share of the checkpoint's bytes; the rest wait on disk.
-# Saving and loading every batch at every block took 6-10% of SmolLM2's pass; its 38,400 calibration tokens hold
-# 54 MB against a 257 MB checkpoint, and the 16-32 documents of the memory benchmark 4-8 MB against 407 MB.
+# Saving and loading every batch at every block took 7% of SmolLM2's blocks (34.4 s against 32.1 s); its 38,400
+# calibration tokens hold 45 MB against a 257 MB checkpoint, the memory benchmark's 16-32 documents 4-8 MB of 407.
 HELD_SHARE = 0.25
 
 
@@ -150,7 +150,7 @@ class _Activations:
                     kept.shape, kept.dtype, kept.device) == (value.shape, value.dtype, value.device):
                 # into the tensor kept since the pass began (outside the blocks' heap): each new output kept
                 # instead came from the block's reused heap, and the heap, trimmed around the kept ones at
-                # every block, was faulted in again (the pass 10% slower than with the activations on disk)
+                # every block, was faulted in again (whole stages 45-46 s, against 40 s with them on disk)
                 kept.copy_(value)
                 return
             self.used -= self.held.pop(key)[1]
