@@ -135,61 +135,16 @@ def weights_held(block: nn.Module):
 HELD_SHARE = 0.25
 
 
-class _Activations:
-    """Each batch's block inputs, by key: in host memory while their bytes fit `budget`, else in a file of
-    `folder`, written whole before it replaces the last one."""
-
-    def __init__(self, folder: Path, budget: int):
-        self.folder, self.budget, self.used = folder, budget, 0
-        self.held: dict[str, tuple[object, int]] = {}
-
-    def __setitem__(self, key: str, value) -> None:
-        if key in self.held:
-            kept = self.held[key][0]
-            if isinstance(value, torch.Tensor) and isinstance(kept, torch.Tensor) and (
-                    kept.shape, kept.dtype, kept.device) == (value.shape, value.dtype, value.device):
-                # into the tensor kept since the pass began (outside the blocks' heap): each new output kept
-                # instead came from the block's reused heap, and the heap, trimmed around the kept ones at
-                # every block, was faulted in again (whole stages 45-46 s, against 40 s with them on disk)
-                kept.copy_(value)
-                return
-            self.used -= self.held.pop(key)[1]
-        size = _bytes(value)
-        if self.used + size <= self.budget:
-            self.held[key] = (value, size)
-            self.used += size
-            (self.folder / f"{key}.pt").unlink(missing_ok=True)
-            return
-        partial = self.folder / f"{key}.partial"
-        torch.save(value, partial)
-        partial.replace(self.folder / f"{key}.pt")
-
-    def __getitem__(self, key: str):
-        if key in self.held:
-            return self.held[key][0]
-        return torch.load(self.folder / f"{key}.pt", weights_only=False)  # our own file, from this run
-
-
-def _bytes(value) -> int:
-    """Bytes of the tensors in `value` (in tuples, lists and dicts too)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (tuple, list)):
-        return sum(_bytes(item) for item in value)
-    if isinstance(value, dict):
-        return sum(_bytes(item) for item in value.values())
-    return 0
-
-
 class BlockRunner:
     """The model's blocks, run one at a time on `device` over batches whose activations wait between blocks in
-    host memory, up to HELD_SHARE of the checkpoint, or on disk under `scratch` (_Activations)."""
+    host memory, up to HELD_SHARE of the checkpoint, or on disk under `scratch` (io.spill.HeldOrSpilled)."""
 
     def __init__(self, folder: Path, skeleton_blocks: list[tuple[str, str]], mapping: dict[str, str],
                  scratch: Path, device: Device = HOST):
         from transformers import AutoModel
 
         from ..io.folders import weight_bytes
+        from ..io.spill import HeldOrSpilled
 
         self.scratch, self.device = scratch, torch.device(device)
         scratch.mkdir(parents=True, exist_ok=True)
@@ -202,7 +157,7 @@ class BlockRunner:
         # every block casts its floating inputs to this dtype as it starts (_cast_at_boundaries): kept so, they
         # take half the bytes of the float32 first-block inputs in a bfloat16 pass, and the blocks see the same
         self.dtype = floating_dtype(self.blocks[0][0])
-        self.activations = _Activations(scratch, int(HELD_SHARE * weight_bytes(folder)))
+        self.activations = HeldOrSpilled(scratch, int(HELD_SHARE * weight_bytes(folder)))
         self.batches = 0
 
     @torch.no_grad()

@@ -1,4 +1,5 @@
-"""Objects kept on disk instead of in memory: one file per key, loaded on access, written atomically.
+"""Objects kept on disk instead of in memory: one file per key, loaded on access, written atomically; and tensors
+kept in memory up to a budget, the rest so.
 
 A layer-by-layer calibration keeps each layer's statistics, samples and fit here until the layer is written,
 so memory holds one layer's worth at a time, whatever the number of layers. The files are our own, written and
@@ -43,3 +44,49 @@ class SpillFolder(MutableMapping):
 
     def __len__(self) -> int:
         return len(self._files)
+
+
+class HeldOrSpilled:
+    """str -> tensors (in tuples, lists and dicts too), in host memory while their bytes fit `budget`, else each
+    in a file of `folder`, written whole before it replaces the last one: a block-at-a-time pass's activations."""
+
+    def __init__(self, folder: Path, budget: int):
+        self.folder, self.budget, self.used = folder, budget, 0
+        self.held: dict[str, tuple[object, int]] = {}
+
+    def __setitem__(self, key: str, value) -> None:
+        if key in self.held:
+            kept = self.held[key][0]
+            if isinstance(value, torch.Tensor) and isinstance(kept, torch.Tensor) and (
+                    kept.shape, kept.dtype, kept.device) == (value.shape, value.dtype, value.device):
+                # into the tensor kept since the first (outside a block's heap): each block's new output kept
+                # instead came from its reused heap, and the heap, trimmed around the kept ones at every
+                # block, was faulted in again (calibrating stages of 45-46 s, against 40 s with them on disk)
+                kept.copy_(value)
+                return
+            self.used -= self.held.pop(key)[1]
+        size = _bytes(value)
+        if self.used + size <= self.budget:
+            self.held[key] = (value, size)
+            self.used += size
+            (self.folder / f"{key}.pt").unlink(missing_ok=True)
+            return
+        partial = self.folder / f"{key}.partial"
+        torch.save(value, partial)
+        partial.replace(self.folder / f"{key}.pt")
+
+    def __getitem__(self, key: str):
+        if key in self.held:
+            return self.held[key][0]
+        return torch.load(self.folder / f"{key}.pt", weights_only=False)  # our own file, from this run
+
+
+def _bytes(value) -> int:
+    """Bytes of the tensors in `value` (in tuples, lists and dicts too)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_bytes(item) for item in value)
+    if isinstance(value, dict):
+        return sum(_bytes(item) for item in value.values())
+    return 0

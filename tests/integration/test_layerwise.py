@@ -47,6 +47,21 @@ def test_block_at_a_time_statistics_equal_whole_passes(family, tmp_path, monkeyp
             assert torch.allclose(mine.float(), theirs.float(), atol=2e-3)
 
 
+def test_held_or_spilled_keeps_what_fits_in_memory_and_the_rest_on_disk(tmp_path):
+    from collab_convert.io.spill import HeldOrSpilled
+
+    store = HeldOrSpilled(tmp_path, budget=4 * 4)  # room for four float32 numbers
+    store["first"], store["second"] = torch.arange(3.0), {"mask": torch.ones(2)}
+    assert list(store.held) == ["first"] and store.used == 12
+    assert [p.name for p in tmp_path.glob("*.pt")] == ["second.pt"]
+    kept = store["first"]
+    store["first"] = torch.full((3,), 7.0)  # the same shape: written into the tensor held, not a new one
+    assert store["first"] is kept and torch.equal(kept, torch.full((3,), 7.0))
+    assert torch.equal(store["second"]["mask"], torch.ones(2))
+    store["first"] = torch.zeros(5)  # larger than the budget now: to disk, and the memory it held is free
+    assert not store.held and store.used == 0 and torch.equal(store["first"], torch.zeros(5))
+
+
 @pytest.mark.parametrize("held", ["none", "some", "all"])
 def test_activations_between_blocks_wait_in_memory_or_on_disk_alike(held, tmp_path, monkeypatch):
     """Up to a share of the checkpoint's bytes a batch's activations stay in memory between blocks, the rest wait
