@@ -61,7 +61,7 @@ class HeldOrSpilled:
                     kept.shape, kept.dtype, kept.device) == (value.shape, value.dtype, value.device):
                 # into the tensor kept since the first (outside a block's heap): each block's new output kept
                 # instead came from its reused heap, and the heap, trimmed around the kept ones at every
-                # block, was faulted in again (calibrating stages of 45-46 s, against 40 s with them on disk)
+                # block, was faulted in again (calibrating stages of 45-46 s, against 40-44 s with them on disk)
                 kept.copy_(value)
                 return
             self.used -= self.held.pop(key)[1]
