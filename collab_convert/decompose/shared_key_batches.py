@@ -14,7 +14,7 @@ from functools import cached_property
 import torch
 
 from ..devices import HOST, Device, moved
-from .refinement import MASKED, product_in
+from .refinement import MASKED
 from .rotary_ops import rotate_half_dims, rotate_slots
 from .shared_key import HeadGeometry
 
@@ -216,9 +216,7 @@ class AttentionProblem:
         dtype = products or self.products  # (no row is all -inf: the mask is finite, MASKED)
 
         def product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-            # left in the products' dtype: each product's result is the next one's operand, and the error's
-            # subtraction takes the last in float32 (a cast to float32 and back between them was a copy each)
-            return left.to(dtype) @ right.to(dtype)
+            return self._product(left, right, dtype)
 
         size, heads, rows, length = probabilities.shape
         if down is None:  # the heads of a group side by side, against their group's values: no copy per head
@@ -234,8 +232,12 @@ class AttentionProblem:
             read = product(averaged, up.transpose(-1, -2)).view(heads, size, rows, -1).permute(1, 2, 0, 3)
         return product(read.flatten(2), self.setting.output_weight.T)
 
-    def _product(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-        return product_in(left, right, self.products)
+    def _product(self, left: torch.Tensor, right: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """left @ right in `dtype` (None: the problem's products), the result left in it: each product's result is
+        the next one's operand, or reaches float32 in the elementwise step after it (a mask's add, the error's
+        subtraction); a cast to float32 and back between them was a copy each."""
+        dtype = dtype or self.products
+        return left.to(dtype) @ right.to(dtype)
 
     @cached_property
     def _slot_queries(self) -> torch.Tensor:
@@ -247,7 +249,8 @@ class AttentionProblem:
         times the head's complex core (a scalar per frequency commutes with RoPE), the scale folded into the
         cores: a few products on the gathered queries, where one real matrix per head took a product per head
         and a sixth of a step to assemble and transpose."""
-        shared_key = rotate_slots(self._product(self.keys, mixing.T), self.slot_cos, self.slot_sin)  # (B, m, K)
+        # rotated in float32, then rounded once for the scores' product
+        shared_key = rotate_slots(self._product(self.keys, mixing.T).float(), self.slot_cos, self.slot_sin)  # (B, m, K)
         width, queries = core.shape[-1], self._slot_queries
         size, heads, rows, _ = queries.shape
         real, imaginary = queries[..., :width], queries[..., width:2 * width]
@@ -258,8 +261,7 @@ class AttentionProblem:
             parts.append(queries[..., 2 * width:] @ (pass_core * self.setting.scaling))
         # every head against the one shared key in a single product per sequence: no per-head copy of the key
         shared_query = torch.cat(parts, dim=-1).reshape(size, heads * rows, -1)
-        products = (shared_query.to(self.products) @ shared_key.transpose(1, 2).to(self.products)).view(
-            size, heads, rows, -1)
+        products = self._product(shared_query, shared_key.transpose(1, 2)).view(size, heads, rows, -1)
         # the mask's add takes the products to float32 in the same pass (soft-capping wants them there first)
         return self._scores(products.float() if self.setting.softcap else products, scaled=True)
 
