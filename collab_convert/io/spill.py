@@ -39,6 +39,9 @@ class SpillFolder(MutableMapping):
     def __delitem__(self, key: str) -> None:
         self._files.pop(key).unlink(missing_ok=True)
 
+    def __contains__(self, key) -> bool:  # Mapping's own would load the file to find out
+        return key in self._files
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
 
@@ -47,12 +50,13 @@ class SpillFolder(MutableMapping):
 
 
 class HeldOrSpilled:
-    """str -> tensors (in tuples, lists and dicts too), in host memory while their bytes fit `budget`, else each
-    in a file of `folder`, written whole before it replaces the last one: a block-at-a-time pass's activations."""
+    """str -> tensors (in tuples, lists and dicts too), in host memory while their bytes fit `budget`, the rest
+    in a SpillFolder under `folder`: a block-at-a-time pass's activations."""
 
     def __init__(self, folder: Path, budget: int):
-        self.folder, self.budget, self.used = folder, budget, 0
+        self.budget, self.used = budget, 0
         self.held: dict[str, tuple[object, int]] = {}
+        self.spilled = SpillFolder(folder)
 
     def __setitem__(self, key: str, value) -> None:
         if key in self.held:
@@ -69,16 +73,13 @@ class HeldOrSpilled:
         if self.used + size <= self.budget:
             self.held[key] = (value, size)
             self.used += size
-            (self.folder / f"{key}.pt").unlink(missing_ok=True)
-            return
-        partial = self.folder / f"{key}.partial"
-        torch.save(value, partial)
-        partial.replace(self.folder / f"{key}.pt")
+            if key in self.spilled:
+                del self.spilled[key]
+        else:
+            self.spilled[key] = value
 
     def __getitem__(self, key: str):
-        if key in self.held:
-            return self.held[key][0]
-        return torch.load(self.folder / f"{key}.pt", weights_only=False)  # our own file, from this run
+        return self.held[key][0] if key in self.held else self.spilled[key]
 
 
 def _bytes(value) -> int:

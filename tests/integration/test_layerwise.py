@@ -53,13 +53,14 @@ def test_held_or_spilled_keeps_what_fits_in_memory_and_the_rest_on_disk(tmp_path
     store = HeldOrSpilled(tmp_path, budget=4 * 4)  # room for four float32 numbers
     store["first"], store["second"] = torch.arange(3.0), {"mask": torch.ones(2)}
     assert list(store.held) == ["first"] and store.used == 12
-    assert [p.name for p in tmp_path.glob("*.pt")] == ["second.pt"]
+    assert list(store.spilled) == ["second"] and len(list(tmp_path.glob("*.pt"))) == 1
     kept = store["first"]
     store["first"] = torch.full((3,), 7.0)  # the same shape: written into the tensor held, not a new one
     assert store["first"] is kept and torch.equal(kept, torch.full((3,), 7.0))
     assert torch.equal(store["second"]["mask"], torch.ones(2))
     store["first"] = torch.zeros(5)  # larger than the budget now: to disk, and the memory it held is free
     assert not store.held and store.used == 0 and torch.equal(store["first"], torch.zeros(5))
+    assert list(store.spilled) == ["second", "first"] and len(list(tmp_path.glob("*.pt"))) == 2
 
 
 @pytest.mark.parametrize("held", ["none", "some", "all"])
@@ -125,6 +126,7 @@ def test_spill_folder_keeps_objects_on_disk(tmp_path):
     assert list(spilled) == ["first", "second"] and len(spilled) == 2
     assert torch.equal(spilled.pop("first")["tensor"], torch.arange(3))
     assert list(spilled) == ["second"] and spilled["second"] == [1, 2]
+    assert "second" in spilled and "first" not in spilled
     assert len(list((tmp_path / "spill").glob("*.pt"))) == 1
 
 
