@@ -13,15 +13,16 @@ step.
 The best state on a held-out tenth of the texts (at most the objective's held_out_max) is kept, judged every
 CHECK_EVERY steps by the held-out measure (next-token KL; for an encoder, 1 - cosine of the sentence embeddings),
 and the run stops early after PATIENCE checks without a gain. Unlike the rest of a calibrated run, both models are
-loaded whole, on the run's device; the best state comes back in host memory. An encoder's original runs once per
+loaded whole, on the run's device; the best state comes back in host memory. The original's body runs once per
 text: its final states are kept for the later steps that draw the text (a language model's next-token
-distributions are too large to keep). A bfloat16 checkpoint on a device that multiplies bfloat16 trains in mixed
+distributions are too large to keep: what its head reads is kept, and the head alone runs again). A bfloat16 checkpoint on a device that multiplies bfloat16 trains in mixed
 precision: the original in its own dtype, the result's products under autocast to it, the tuned tensors in
 float32 (SmolLM2: a step 2.03 s against 3.53 s, beside a bfloat16 forward-backward pass of 1.7-1.9 s).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,12 +76,38 @@ class NextTokens:
     measure = "next-token KL, nats per token"
     batch_sequences, relative_step, held_out_max = BATCH_SEQUENCES, RELATIVE_STEP, HELD_OUT_MAX
     auto_class = "AutoModelForCausalLM"  # what the student and the teacher load as
-    kept = False  # a text's reference is vocabulary x tokens floats (SmolLM2: 25 MB for 128 tokens): recomputed
 
     @staticmethod
     def reference(teacher, input_ids, attention_mask) -> torch.Tensor:
         """The original's next-token log-probabilities, (batch, tokens, vocabulary)."""
         return torch.log_softmax(teacher(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)
+
+    @staticmethod
+    def kept_states(teacher, input_ids, attention_mask) -> torch.Tensor | None:
+        """What the original's output head reads, in the original's dtype: kept in place of the log-probabilities,
+        which are vocabulary x tokens floats (SmolLM2: 25 MB a text of 128 tokens; its states 0.15 MB). None where
+        the head alone does not give the model's logits (a scale or a soft cap after it): then they are
+        recomputed at every step."""
+        head = teacher.get_output_embeddings()
+        if head is None:
+            return None
+        read = []
+        hook = head.register_forward_hook(lambda module, args, output: read.append(args[0]))
+        try:
+            logits = teacher(input_ids=input_ids, attention_mask=attention_mask).logits
+        finally:
+            hook.remove()
+        if len(read) != 1 or read[0].shape[:2] != logits.shape[:2]:
+            return None
+        again = head(read[0])
+        scale = float(logits.float().abs().max().clamp_min(1e-6))
+        if float((again.float() - logits.float()).abs().max()) > 1e-3 * scale:
+            return None
+        return read[0]
+
+    @staticmethod
+    def from_kept(teacher, states: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(teacher.get_output_embeddings()(states).float(), -1)
 
     @staticmethod
     def losses(target, student, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -104,7 +131,6 @@ class Embeddings:
     batch_sequences, relative_step = 16, 3e-4
     held_out_max = 64  # an embedding is cheap to score: a steadier choice of the best state
     auto_class = "AutoModel"
-    kept = True  # a text's final states are tokens x width floats: computed once, not at every step that draws it
 
     @staticmethod
     def reference(teacher, input_ids, attention_mask) -> torch.Tensor:
@@ -113,6 +139,18 @@ class Embeddings:
 
         batch = text_inputs(teacher.config, {"input_ids": input_ids, "attention_mask": attention_mask})
         return teacher(**batch).last_hidden_state.float()
+
+    @staticmethod
+    def kept_states(teacher, input_ids, attention_mask) -> torch.Tensor:
+        """A text's final states are the reference itself: tokens x width floats, kept in float16 where they fit
+        (relative rounding 5e-4: a cosine moves by ~1e-7)."""
+        states = Embeddings.reference(teacher, input_ids, attention_mask)
+        half = states.to(torch.float16)
+        return half if bool(torch.isfinite(half).all()) else states
+
+    @staticmethod
+    def from_kept(teacher, states: torch.Tensor) -> torch.Tensor:
+        return states.float()
 
     @staticmethod
     def losses(target, student, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -197,43 +235,41 @@ def distill(original: Path, result: Path, texts: list[str], max_length: int, ste
 
 
 class _References:
-    """The original's reference (objective.reference) for batches of the encoded sequences: where the objective
-    keeps them, each sequence's is computed the first time a batch draws it and kept in host memory (float16
-    where it fits: a text's final states, not its logits), so the original runs once per text, not once per
-    step that draws it (MiniLM, 16 texts a step: a third of a step was the original's forward)."""
+    """The original's reference (objective.reference) for batches of the encoded sequences. What it is made from
+    (objective.kept_states: an encoder's final states, what a language model's head reads) is computed the first
+    time a batch draws a sequence and kept in host memory, so the original's body runs once per text, not once per
+    step that draws it (MiniLM, 16 texts a step: a third of a step was the original's forward). Where the
+    objective cannot keep them (kept_states gives None), the reference is computed at every step."""
 
     def __init__(self, objective, teacher, sequences: list[list[int]], pad: int, device: Device):
         self.objective, self.teacher, self.sequences, self.pad, self.device = objective, teacher, sequences, pad, device
         self.kept: dict[int, torch.Tensor] = {}
+        self.keeps = True  # until kept_states says the objective cannot
 
     def of(self, chosen: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(reference, input_ids, attention_mask) of these sequences, right-padded."""
         input_ids, attention_mask = self._padded(chosen)
-        if not self.objective.kept:
-            with torch.no_grad():
-                return self.objective.reference(self.teacher, input_ids, attention_mask), input_ids, attention_mask
         missing = [i for i in chosen if i not in self.kept]
-        if missing:
+        if missing and self.keeps:
             with torch.no_grad():
-                computed = self.objective.reference(self.teacher, *self._padded(missing))
-            for row, i in enumerate(missing):
-                self.kept[i] = _compact(computed[row, : len(self.sequences[i])])
-        reference = torch.zeros(*input_ids.shape, self.kept[chosen[0]].shape[-1], device=self.device)
-        for row, i in enumerate(chosen):
-            reference[row, : len(self.sequences[i])] = self.kept[i].to(self.device, torch.float32)
-        return reference, input_ids, attention_mask
+                computed = self.objective.kept_states(self.teacher, *self._padded(missing))
+            self.keeps = computed is not None
+            for row, i in enumerate(missing if self.keeps else []):
+                self.kept[i] = host_copy(computed[row, : len(self.sequences[i])])
+        with torch.no_grad():
+            if not self.keeps:
+                return self.objective.reference(self.teacher, input_ids, attention_mask), input_ids, attention_mask
+            kept = [self.kept[i] for i in chosen]
+            dtype = functools.reduce(torch.promote_types, (k.dtype for k in kept))  # float16, unless one did not fit
+            states = torch.zeros(*input_ids.shape, kept[0].shape[-1], dtype=dtype, device=self.device)
+            for row, (i, states_of) in enumerate(zip(chosen, kept)):
+                states[row, : len(self.sequences[i])] = states_of.to(self.device)
+            return self.objective.from_kept(self.teacher, states), input_ids, attention_mask
 
     def _padded(self, chosen: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         from .batches import right_padded
 
         return moved(right_padded([self.sequences[i] for i in chosen], pad=self.pad), self.device)
-
-
-def _compact(reference: torch.Tensor) -> torch.Tensor:
-    """A host copy in float16 where every value fits it (relative rounding 5e-4: a cosine moves by ~1e-7), else
-    float32."""
-    half = reference.to(torch.float16)
-    return host_copy(half if bool(torch.isfinite(half).all()) else reference)
 
 
 def _loaded(objective, folder: Path, ours: bool, device: Device = HOST):

@@ -263,3 +263,42 @@ def test_an_encoders_references_are_computed_once_per_text_and_match_a_fresh_pas
     real = attention_mask.bool()
     assert torch.allclose(second[real], fresh[real], rtol=1e-3, atol=1e-3)
     assert torch.equal(second[1, :3], first[1, :3]) and not second[~real].any()
+
+
+def test_a_language_models_references_come_from_kept_final_states_and_match_a_fresh_pass(tmp_path):
+    """A language model's next-token distributions are too large to keep; what its head reads is kept instead. A
+    later batch runs the original's body only on the texts it has not seen, and its log-probabilities are the
+    ones a fresh pass gives."""
+    from collab_convert.integration.distillation import NextTokens, _References
+
+    teacher = build_rotary(next(c for c in ROTARY_CASES if c.name == "llama"), tmp_path / "llama").eval()
+    texts_run = []
+    teacher.model.register_forward_pre_hook(
+        lambda module, args, kwargs: texts_run.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    sequences = [[1, 5, 6, 2], [1, 7, 2], [1, 8, 9, 10, 11, 2], [1, 12, 2]]
+    references = _References(NextTokens, teacher, sequences, pad=0, device="cpu")
+
+    references.of([0, 1])
+    second, input_ids, attention_mask = references.of([2, 1, 0])
+    assert texts_run == [2, 1] and references.keeps
+    fresh = NextTokens.reference(teacher, input_ids, attention_mask)
+    real = attention_mask.bool()
+    assert torch.allclose(second[real], fresh[real], atol=1e-5)
+
+
+def test_a_language_model_whose_logits_are_more_than_its_head_gets_its_references_from_the_whole_model(tmp_path):
+    """Where something acts on the logits after the head (a scale, a soft cap), the kept states would give other
+    distributions: the check on the first batch sees it, and every batch runs the whole original."""
+    from collab_convert.integration.distillation import NextTokens, _References
+
+    teacher = build_rotary(next(c for c in ROTARY_CASES if c.name == "llama"), tmp_path / "llama").eval()
+    teacher.register_forward_hook(lambda module, args, output: output.__setitem__("logits", 30 * torch.tanh(
+        output["logits"] / 30) * 0.5))
+    sequences = [[1, 5, 6, 2], [1, 7, 2], [1, 8, 9, 10, 11, 2]]
+    references = _References(NextTokens, teacher, sequences, pad=0, device="cpu")
+
+    references.of([0, 1])
+    second, input_ids, attention_mask = references.of([2, 1, 0])
+    assert not references.keeps and not references.kept
+    fresh = NextTokens.reference(teacher, input_ids, attention_mask)
+    assert torch.equal(second, fresh)
