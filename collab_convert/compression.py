@@ -102,6 +102,7 @@ def _stages(source: SourceModel, form: Form, form_plan: FormPlan, options: Compr
     statistics = form.statistics(source, options, fitted, progress, staged.scratch)
     if mix is not None and statistics.calibration is not None:
         statistics.calibration["mix"] = mix
+        statistics.calibration["repeated_lines_dropped"] = held_out.repeats_dropped
     estimator = form.estimator(source, options, statistics, held_out)
     sizes, size_choice = form.sizes(source, options, form_plan, statistics, estimator, progress)
     finished = FinishedLayers(staged.finished_work, form.report_type)

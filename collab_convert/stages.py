@@ -127,10 +127,12 @@ class ProbeTexts:
     texts: list[str]
     description: str
     seen_by_the_fit: bool = False  # no line was left to hold out: the figures overstate what unseen text gets
+    repeats_dropped: int = 0  # the file's lines left out as repeats of earlier ones (they would be in fit and probe)
 
 
 def calibration_texts(options: CompressOptions) -> tuple[list[str], ProbeTexts]:
-    """(texts the fit sees, texts a fidelity figure measures on) from --calibration.
+    """(texts the fit sees, texts a fidelity figure measures on) from --calibration, each line once: a repeated
+    line would be in a fit's training sequences and in the checks that hold lines out from them.
 
     The probe texts are the lines after the first `calibration_samples`. A file with none to spare holds out its
     last lines instead, a tenth at most, so that a gate on the figure (--min-cosine, ...) judges text the fit never
@@ -138,21 +140,22 @@ def calibration_texts(options: CompressOptions) -> tuple[list[str], ProbeTexts]:
     held-out text."""
     from .io.texts import read_texts
 
-    texts = read_texts(options.calibration, options.calibration_samples + PROBE_TEXTS)
-    fitted, name = texts[: options.calibration_samples], text_name(options.calibration)
+    texts = read_texts(options.calibration, options.calibration_samples + PROBE_TEXTS, distinct=True)
+    fitted, name, repeats = texts[: options.calibration_samples], text_name(options.calibration), texts.repeats
     if options.distill_steps and len(texts) < 2:  # refused here, before the costly stages, not after them
         raise BadInputError(f"--distill-steps needs at least two calibration texts; {name} holds one")
     if texts[options.calibration_samples:]:
         held_out = texts[options.calibration_samples:]
-        return fitted, ProbeTexts(held_out, f"{len(held_out)} held-out lines of {name}")
+        return fitted, ProbeTexts(held_out, f"{len(held_out)} held-out lines of {name}", repeats_dropped=repeats)
     held = min(PROBE_TEXTS, len(texts) // 10)
     if held:
         return texts[:-held], ProbeTexts(texts[-held:], f"{held} held-out lines of {name} (its last {held}; the fit "
-                                                        f"used the {len(texts) - held} before them)")
+                                                        f"used the {len(texts) - held} before them)",
+                                         repeats_dropped=repeats)
     reused = fitted[-PROBE_TEXTS:]
     lines = f"{len(reused)} line{'s' if len(reused) > 1 else ''}"
     return fitted, ProbeTexts(reused, f"{lines} of {name} (also used for the fit: none were left to hold out)",
-                              seen_by_the_fit=True)
+                              seen_by_the_fit=True, repeats_dropped=repeats)
 
 
 def mixed_calibration(source: SourceModel, options: CompressOptions, texts: list[str]) -> tuple[list[str], str]:

@@ -33,6 +33,27 @@ def test_a_file_with_none_to_spare_holds_out_its_last_tenth_from_the_fit(tmp_pat
     assert (len(fitted), len(probe.texts)) == (468, 32)  # 32 at most: as many as a figure needs
 
 
+def test_a_line_repeated_in_the_file_is_read_once_so_no_held_out_line_is_also_fitted(tmp_path):
+    """Boilerplate repeated through a file (a signature, a header) would otherwise sit in the fit and in the lines
+    held out from it, and in the refinement's training sequences and its held-out checks alike."""
+    path = tmp_path / "texts.txt"
+    lines = [f"line number {i} of the calibration text" for i in range(100)]
+    repeated = [line for i, line in enumerate(lines) for _ in range(3 if i % 10 == 0 else 1)]  # 20 repeats
+    path.write_text("\n".join(repeated + lines[:5]) + "\n", encoding="utf-8")  # and 5 more at the end
+    fitted, probe = calibration_texts(_options(tmp_path, calibration=path, calibration_samples=60))
+    assert fitted == lines[:60] and probe.texts == lines[60:92]
+    assert probe.repeats_dropped == 20  # the file is read only as far as the texts asked for: 92 distinct lines
+
+
+def test_a_compress_run_reports_the_repeats_it_dropped(tiny_bert, tmp_path):
+    path = tmp_path / "texts.txt"
+    path.write_text("".join(f"line number {i % 20} of the calibration text\n" for i in range(50)), encoding="utf-8")
+    result = compress(str(tiny_bert), _options(tmp_path, rank=8, calibration=path, refine_steps=2))
+    assert result.calibration["repeated_lines_dropped"] == 30
+    assert result.calibration["examples"] == 18  # the 20 distinct lines less the 2 held out
+    assert "(30 repeated lines read once)" in (tmp_path / "out" / "report.md").read_text()
+
+
 def test_a_file_of_fewer_than_ten_lines_lends_them_and_says_the_figure_is_not_held_out(tmp_path):
     fitted, probe = calibration_texts(_options(tmp_path, calibration=_file(tmp_path, 6)))
     assert len(fitted) == 6 and probe.texts == fitted

@@ -10,8 +10,16 @@ from ..errors import BadInputError
 MAX_LINE_CHARACTERS = 100_000  # far beyond any token budget; a 10 MB line is cut, not tokenised whole
 
 
-def read_texts(path: Path, limit: int | None = None) -> list[str]:
-    """One example per line, from a text file or every .txt file in a folder (sorted); blank lines skipped.
+class Lines(list):
+    """The examples read, and how many lines were skipped as repeats of an earlier one (`distinct`)."""
+
+    repeats: int = 0
+
+
+def read_texts(path: Path, limit: int | None = None, distinct: bool = False) -> Lines:
+    """One example per line, from a text file or every .txt file in a folder (sorted); blank lines skipped, and with
+    `distinct` every line that repeats an earlier one (counted in `repeats`): a calibration text that appears twice
+    would sit both in a fit's training sequences and in its held-out checks.
 
     Read line by line and only up to `limit` examples, so a huge file or a folder of thousands of files costs
     what is used. Binary files and invalid UTF-8 are refused in one line."""
@@ -26,17 +34,19 @@ def read_texts(path: Path, limit: int | None = None) -> list[str]:
         raise BadInputError(f"calibration text {path} is not a file or a folder of .txt files")
     else:
         raise BadInputError(f"calibration text {path} does not exist")
-    texts: list[str] = []
+    texts, seen = Lines(), set() if distinct else None
     for file in files:
-        texts += _lines(file, None if limit is None else limit - len(texts))
+        texts += _lines(file, None if limit is None else limit - len(texts), seen, texts)
         if limit is not None and len(texts) >= limit:
             break
     if not texts:
         raise BadInputError(f"{path} holds no text")
-    return texts[:limit] if limit else texts
+    if limit and len(texts) > limit:
+        del texts[limit:]
+    return texts
 
 
-def _lines(file: Path, wanted: int | None) -> list[str]:
+def _lines(file: Path, wanted: int | None, seen: set[str] | None, counts: Lines) -> list[str]:
     lines = []
     try:
         with open(file, encoding="utf-8", newline=None) as handle:
@@ -44,6 +54,11 @@ def _lines(file: Path, wanted: int | None) -> list[str]:
                 if "\x00" in line:
                     raise BadInputError(f"{file} looks binary (it holds NUL bytes); give plain UTF-8 text")
                 text = line.strip()[:MAX_LINE_CHARACTERS]
+                if text and seen is not None:
+                    if text in seen:
+                        counts.repeats += 1
+                        continue
+                    seen.add(text)
                 if text:
                     lines.append(text)
                     if wanted is not None and len(lines) >= wanted:

@@ -74,8 +74,9 @@ def _calibration_lines(result: "CompressResult") -> list[str]:
     tokens = result.calibration.get("tokens")
     lines = [
         f"- calibration: {result.calibration['examples']} examples"
-        + (f" ({tokens:,} tokens)" if tokens else "") + f" from {result.calibration['source']}; "
-        f"fitted to the {result.calibration['objective']}",
+        + (f" ({tokens:,} tokens)" if tokens else "") + f" from {result.calibration['source']}"
+        + (f" ({repeats} repeated lines read once)" if (repeats := result.calibration.get("repeated_lines_dropped"))
+           else "") + f"; fitted to the {result.calibration['objective']}",
         f"- refinement: {result.calibration.get('refinement', 'off')}",
     ]
     lines += _distillation_lines(result.distillation)
