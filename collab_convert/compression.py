@@ -128,7 +128,7 @@ def _stages(source: SourceModel, form: Form, form_plan: FormPlan, options: Compr
         result.failures = gate_failures(result.fidelity, options.thresholds)
         if held_out.seen_by_the_fit:
             result.warnings.append(f"fidelity was measured on {held_out.description}: it overstates what unseen "
-                                   "text gets; give ten lines or more to hold some out")
+                                   "text gets; give ten distinct lines or more to hold some out")
         progress("measuring fidelity", 1, 1)
     elif options.gated:  # a gate that nothing measured must not pass
         result.failures = [f"fidelity was not measured ({source.family.name} models are not run on text here): "

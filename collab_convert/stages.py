@@ -143,7 +143,8 @@ def calibration_texts(options: CompressOptions) -> tuple[list[str], ProbeTexts]:
     texts = read_texts(options.calibration, options.calibration_samples + PROBE_TEXTS, distinct=True)
     fitted, name, repeats = texts[: options.calibration_samples], text_name(options.calibration), texts.repeats
     if options.distill_steps and len(texts) < 2:  # refused here, before the costly stages, not after them
-        raise BadInputError(f"--distill-steps needs at least two calibration texts; {name} holds one")
+        raise BadInputError(f"--distill-steps needs at least two calibration texts; {name} holds one"
+                            + (f" distinct line ({repeats} repeats of it read once)" if repeats else ""))
     if texts[options.calibration_samples:]:
         held_out = texts[options.calibration_samples:]
         return fitted, ProbeTexts(held_out, f"{len(held_out)} held-out lines of {name}", repeats_dropped=repeats)

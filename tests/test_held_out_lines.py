@@ -63,7 +63,7 @@ def test_a_file_of_fewer_than_ten_lines_lends_them_and_says_the_figure_is_not_he
 def test_a_compress_run_on_such_a_file_warns_that_its_figures_overstate(tiny_bert, tmp_path):
     result = compress(str(tiny_bert), _options(tmp_path, rank=8, calibration=_file(tmp_path, 6), refine_steps=2))
     assert result.fidelity is not None
-    assert any("overstates" in warning and "ten lines or more" in warning for warning in result.warnings)
+    assert any("overstates" in warning and "ten distinct lines or more" in warning for warning in result.warnings)
 
 
 def test_distillation_on_a_single_line_is_refused_before_the_calibration_pass(tmp_path):
@@ -72,3 +72,6 @@ def test_distillation_on_a_single_line_is_refused_before_the_calibration_pass(tm
         calibration_texts(_options(tmp_path, calibration=_file(tmp_path, 1), distill_steps=5))
     fitted, _ = calibration_texts(_options(tmp_path, calibration=_file(tmp_path, 2), distill_steps=5))
     assert len(fitted) == 2
+    (tmp_path / "same.txt").write_text("one line, said twice\none line, said twice\n", encoding="utf-8")
+    with pytest.raises(BadInputError, match="holds one distinct line \\(1 repeats of it read once\\)"):
+        calibration_texts(_options(tmp_path, calibration=tmp_path / "same.txt", distill_steps=5))
