@@ -19,6 +19,13 @@ retrained), in accuracy points.
 Each variant runs `collab-convert compress MODEL --rank R --calibration news.txt [its flags]` in a fresh process
 (wall time, and the time past imports from report.json). The default variant is the default run; add others
 with --variant, e.g. --variant "distil=--distill-steps 100".
+
+--calibrate-on asks what the calibration's domain is worth:
+  - news (the default): the news documents above;
+  - short: the 100 short lines themselves (the short lines' cells are then on lines the fit saw: the form's
+    capacity for them, not a held-out figure);
+  - news+short: the news documents with every other short line, one after every six documents; the short lines
+    are scored in two halves, the unseen half and the half the fit saw.
 """
 
 from __future__ import annotations
@@ -54,9 +61,28 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], help="NAME='compress flags'")
     parser.add_argument("--no-default", action="store_true", help="only the --variant runs")
     parser.add_argument("--loaded", action="store_true", help="a second job runs beside the measurement")
+    parser.add_argument("--calibrate-on", choices=("news", "short", "news+short"), default="news")
     args = parser.parse_args()
     with busy_neighbour(args.loaded):
         run(args)
+
+
+def calibration_set(on: str, news: list[str], scored: dict[str, list[str]]) -> tuple[list[str], dict]:
+    """(the calibration texts, the scored sets) for --calibrate-on."""
+    short = scored["short lines"]
+    rest = {name: texts for name, texts in scored.items() if name != "short lines"}
+    if on == "short":
+        return list(short), {**rest, "short (seen)": short}
+    if on == "news+short":
+        seen, unseen = short[0::2], short[1::2]
+        mixed = []
+        for index, document in enumerate(news):
+            mixed.append(document)
+            if index % 6 == 0 and index // 6 < len(seen):
+                mixed.append(seen[index // 6])
+        mixed += seen[len(news[::6]):]
+        return mixed, {**rest, "short unseen": unseen, "short seen": seen}
+    return news, scored
 
 
 def run(args) -> None:
@@ -78,9 +104,10 @@ def run(args) -> None:
         "reviews": spread([d[0] for d in every if d[1] == "reviews"], args.evaluate),
         "short lines": [line for line in SHORT_LINES.read_text().splitlines() if line.strip()],
     }
+    calibration, scored = calibration_set(args.calibrate_on, calibration, scored)
     probe_train = spread([d for d in every if d[2] % 4 != 3], 1500)
     probe_test = spread([d for d in every if d[2] % 4 == 3], 600)
-    print(f"calibration: {len(calibration)} news documents; scored: "
+    print(f"calibration: {len(calibration)} texts ({args.calibrate_on}); scored: "
           + ", ".join(f"{name} {len(texts)}" for name, texts in scored.items())
           + f"; genre probe {len(probe_train)} / {len(probe_test)} documents"
           + ("; a second job runs beside it" if args.loaded else ""), flush=True)
