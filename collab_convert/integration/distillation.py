@@ -15,9 +15,10 @@ CHECK_EVERY steps by the held-out measure (next-token KL; for an encoder, 1 - co
 and the run stops early after PATIENCE checks without a gain. Unlike the rest of a calibrated run, both models are
 loaded whole, on the run's device; the best state comes back in host memory. The original's body runs once per
 text: its final states are kept for the later steps that draw the text (a language model's next-token
-distributions are too large to keep: what its head reads is kept, and the head alone runs again). A bfloat16 checkpoint on a device that multiplies bfloat16 trains in mixed
-precision: the original in its own dtype, the result's products under autocast to it, the tuned tensors in
-float32 (SmolLM2: a step 2.03 s against 3.53 s, beside a bfloat16 forward-backward pass of 1.7-1.9 s).
+distributions are too large to keep: what its head reads is kept, and the head alone runs again). A bfloat16
+checkpoint on a device that multiplies bfloat16 trains in mixed precision: the original in its own dtype, the
+result's products under autocast to it, the tuned tensors in float32 (SmolLM2: a step 2.03 s against 3.53 s,
+beside a bfloat16 forward-backward pass of 1.7-1.9 s).
 """
 
 from __future__ import annotations
