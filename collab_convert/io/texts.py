@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import BadInputError
@@ -34,37 +35,33 @@ def read_texts(path: Path, limit: int | None = None, distinct: bool = False) -> 
         raise BadInputError(f"calibration text {path} is not a file or a folder of .txt files")
     else:
         raise BadInputError(f"calibration text {path} does not exist")
-    texts, seen = Lines(), set() if distinct else None
+    texts, seen = Lines(), set()
     for file in files:
-        texts += _lines(file, None if limit is None else limit - len(texts), seen, texts)
-        if limit is not None and len(texts) >= limit:
-            break
+        for text in _lines(file):
+            if distinct:
+                if text in seen:
+                    texts.repeats += 1
+                    continue
+                seen.add(text)
+            texts.append(text)
+            if limit is not None and len(texts) >= limit:
+                return texts
     if not texts:
         raise BadInputError(f"{path} holds no text")
-    if limit and len(texts) > limit:
-        del texts[limit:]
     return texts
 
 
-def _lines(file: Path, wanted: int | None, seen: set[str] | None, counts: Lines) -> list[str]:
-    lines = []
+def _lines(file: Path) -> Iterator[str]:
+    """The file's lines, stripped and cut at MAX_LINE_CHARACTERS, blank ones skipped; read as they are asked for."""
     try:
         with open(file, encoding="utf-8", newline=None) as handle:
             for line in handle:
                 if "\x00" in line:
                     raise BadInputError(f"{file} looks binary (it holds NUL bytes); give plain UTF-8 text")
                 text = line.strip()[:MAX_LINE_CHARACTERS]
-                if text and seen is not None:
-                    if text in seen:
-                        counts.repeats += 1
-                        continue
-                    seen.add(text)
                 if text:
-                    lines.append(text)
-                    if wanted is not None and len(lines) >= wanted:
-                        break
+                    yield text
     except UnicodeDecodeError as error:
         raise BadInputError(f"{file} is not UTF-8 text (byte {error.start}: {error.reason})") from None
     except OSError as error:
         raise BadInputError(f"{file} could not be read: {error.strerror or error}") from None
-    return lines
