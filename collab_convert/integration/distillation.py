@@ -84,11 +84,11 @@ class NextTokens:
         return torch.log_softmax(teacher(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)
 
     @staticmethod
-    def kept_states(teacher, input_ids, attention_mask) -> torch.Tensor | None:
+    def kept_states(teacher, input_ids, attention_mask, check: bool = True) -> torch.Tensor | None:
         """What the original's output head reads, in the original's dtype: kept in place of the log-probabilities,
-        which are vocabulary x tokens floats (SmolLM2: 25 MB a text of 128 tokens; its states 0.15 MB). None where
-        the head alone does not give the model's logits (a scale or a soft cap after it): then they are
-        recomputed at every step."""
+        which are vocabulary x tokens floats (SmolLM2: 25 MB a text of 128 tokens; its states 0.15 MB). With
+        `check`, None where the head alone does not give the model's logits (a scale or a soft cap after it): then
+        they are recomputed at every step. A property of the model: checked on the first batch only."""
         head = teacher.get_output_embeddings()
         if head is None:
             return None
@@ -100,6 +100,8 @@ class NextTokens:
             hook.remove()
         if len(read) != 1 or read[0].shape[:2] != logits.shape[:2]:
             return None
+        if not check:
+            return read[0]
         scale = float(logits.float().abs().max().clamp_min(1e-6))
         return read[0] if float((head(read[0]).float() - logits.float()).abs().max()) <= 1e-3 * scale else None
 
@@ -139,7 +141,7 @@ class Embeddings:
         return teacher(**batch).last_hidden_state.float()
 
     @staticmethod
-    def kept_states(teacher, input_ids, attention_mask) -> torch.Tensor:
+    def kept_states(teacher, input_ids, attention_mask, check: bool = True) -> torch.Tensor:
         """A text's final states are the reference itself: tokens x width floats, kept in float16 where they fit
         (relative rounding 5e-4: a cosine moves by ~1e-7)."""
         states = Embeddings.reference(teacher, input_ids, attention_mask)
@@ -233,11 +235,10 @@ def distill(original: Path, result: Path, texts: list[str], max_length: int, ste
 
 
 class _References:
-    """The original's reference (objective.reference) for batches of the encoded sequences. What it is made from
-    (objective.kept_states: an encoder's final states, what a language model's head reads) is computed the first
-    time a batch draws a sequence and kept in host memory, so the original's body runs once per text, not once per
-    step that draws it (MiniLM, 16 texts a step: a third of a step was the original's forward). Where the
-    objective cannot keep them (kept_states gives None), the reference is computed at every step."""
+    """The original's reference for batches of the encoded sequences, made from what objective.kept_states keeps
+    (an encoder's final states, what a language model's head reads) the first time a batch draws a sequence, in
+    host memory: the original's body runs once per text, not once per step that draws it (MiniLM, 16 texts a
+    step: a third of a step was its forward). Where kept_states gives None, objective.reference every step."""
 
     def __init__(self, objective, teacher, sequences: list[list[int]], pad: int, device: Device):
         self.objective, self.teacher, self.sequences, self.pad, self.device = objective, teacher, sequences, pad, device
@@ -250,7 +251,7 @@ class _References:
         missing = [i for i in chosen if i not in self.kept]
         if missing and self.keeps:
             with torch.no_grad():
-                computed = self.objective.kept_states(self.teacher, *self._padded(missing))
+                computed = self.objective.kept_states(self.teacher, *self._padded(missing), check=not self.kept)
             self.keeps = computed is not None
             for row, i in enumerate(missing if self.keeps else []):
                 self.kept[i] = host_copy(computed[row, : len(self.sequences[i])])
