@@ -134,10 +134,11 @@ def _by_block(folder: Path, plan, batches: CalibrationBatches, current: CurrentB
         try:
             # One heap and one load of the block's weights for all its batches: each batch's activations were
             # mapped and zeroed afresh (the 1 MiB mmap threshold, cpu.py) and its weights read and converted
-            # again (SmolLM2's blocks alone, 100 documents: 24.6-26.4 s on a heap, 28.8-31.5 s mapped). Batches
-            # of other lengths leave holes in the heap a little too small for the next, so its free part is
-            # bounded, and it is handed back when the block is done (benchmarks.md).
-            with reused_heap(), runner.weights_held(index):
+            # again (SmolLM2's blocks alone, 100 documents: 24.6-26.4 s on a heap, 28.8-31.5 s mapped). The heap's
+            # top is kept too: handed back after every tensor, it was faulted in again page by page (SmolLM2, 300
+            # documents: 42 s calibrating, 34 s kept). Batches of other lengths leave holes in the heap a little
+            # too small for the next, so its free part is bounded, and it is handed back when the block is done.
+            with reused_heap(keep_top=True), runner.weights_held(index):
                 heap = BoundedHeap(FREE_HEAP_BOUND)
                 for batch, (_, _, lengths) in enumerate(batches.batches):
                     if progress:

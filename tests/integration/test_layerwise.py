@@ -230,7 +230,8 @@ def test_kept_samples_carry_the_attention_output_the_model_computed(name, tmp_pa
 
 def test_a_block_keeps_one_heap_and_one_load_of_its_weights_for_all_its_batches(tmp_path, monkeypatch):
     """Per batch, accelerate read and converted the block's weights again, and each batch's activations were
-    mapped and zeroed afresh: a block now holds both across its batches, and hands the heap back when done."""
+    mapped and zeroed afresh: a block now holds both across its batches, keeps the heap's top between them (handed
+    back after every tensor, it was faulted in again page by page), and hands the heap back when done."""
     from accelerate.hooks import AlignDevicesHook
 
     from collab_convert import cpu
@@ -251,6 +252,7 @@ def test_a_block_keeps_one_heap_and_one_load_of_its_weights_for_all_its_batches(
     assert loads.count("GPT2Block") == blocks
     assert libc.calls.count(("mallopt", cpu.HEAP_THRESHOLD)) == blocks
     assert [call for call in libc.calls if call[0] == "mallopt"][-1] == ("mallopt", cpu.MMAP_THRESHOLD)
+    assert libc.trim_thresholds == [("mallopt", cpu.HEAP_TRIM_THRESHOLD), ("mallopt", cpu.TRIM_THRESHOLD)] * blocks
 
 
 def test_offloaded_bfloat16_model_keeps_its_head_small_and_its_math_float32(tmp_path, monkeypatch):
