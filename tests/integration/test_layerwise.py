@@ -278,6 +278,26 @@ def test_offloaded_bfloat16_model_keeps_its_head_small_and_its_math_float32(tmp_
     assert (mine - theirs).abs().max() < 0.02 * theirs.abs().max()
 
 
+@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_bfloat16_heads_logits_are_float32_math_on_its_values(hidden_dtype, monkeypatch):
+    """Where the states and the weight hold bfloat16 values, the head's float32 products may take them as
+    bfloat16 (oneDNN's bf16 math mode, faster where the CPU has bfloat16 units): they lose nothing, and the
+    process-wide setting is back as it was afterwards. States of other dtypes keep plain float32 products."""
+    from collab_convert.integration import layerwise
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(96, 50, bias=False).to(torch.bfloat16)
+    layerwise._float32_in_slices(head)
+    monkeypatch.setattr(layerwise, "SLICE_ROWS", 16)  # several slices, the last one short
+    hidden = (torch.randn(2, 5, 96) * 3).to(hidden_dtype)
+    setting = torch.backends.mkldnn.matmul.fp32_precision
+    logits = head(hidden)
+    exact = hidden.double() @ head.weight.double().T
+    assert logits.dtype == torch.float32
+    assert (logits.double() - exact).abs().max() < 1e-5 * exact.abs().max()
+    assert torch.backends.mkldnn.matmul.fp32_precision == setting
+
+
 @pytest.mark.parametrize("by_block", [True, False])
 def test_the_model_that_calibrated_is_freed_when_the_pass_ends(by_block, tmp_path, monkeypatch):
     """Its modules and hooks hold each other, so only the cycle collector frees them: the pass runs it, rather
