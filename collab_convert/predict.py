@@ -130,7 +130,7 @@ class FidelityEstimator:
         """A checkpoint as measured here: its blocks offloaded (one in memory as it runs), and run in the
         checkpoint's own dtype where the device multiplies it natively, as transformers runs it (devices.pass_dtype:
         a bfloat16 checkpoint on a CPU with AVX512-BF16 in bfloat16, at half the float32 time; SmolLM2's held-out
-        KL 0.12045 in float32, 0.12088 so). The heads still compute float32 logits (layerwise._float32_in_slices)."""
+        KL 0.12045 in float32, 0.12088 so). The heads still compute float32 logits (heads.float32_in_slices)."""
         from .integration.layerwise import blocks_dtype, load_offloaded
 
         model = load_offloaded(folder, auto_class, self.options.device, native=True)

@@ -260,7 +260,7 @@ def test_offloaded_bfloat16_model_keeps_its_head_small_and_its_math_float32(tmp_
     float32 from bfloat16 weight slices; the logits match a float32 load up to the bfloat16 embedding sum."""
     from transformers import AutoModelForCausalLM
 
-    from collab_convert.integration import layerwise
+    from collab_convert.integration import heads
     from collab_convert.integration.layerwise import load_offloaded
     from collab_convert.integration.loading import load_model
 
@@ -271,7 +271,7 @@ def test_offloaded_bfloat16_model_keeps_its_head_small_and_its_math_float32(tmp_
     assert offloaded.transformer.h[0].attn.c_attn.weight.dtype == torch.float32
     whole = load_model(tmp_path / "gpt2", AutoModelForCausalLM, dtype=torch.float32)
     ids = torch.randint(0, 60, (2, 9))
-    monkeypatch.setattr(layerwise, "SLICE_ROWS", 7)  # several slices of the 60-word head
+    monkeypatch.setattr(heads, "SLICE_ROWS", 7)  # several slices of the 60-word head
     with torch.no_grad():
         mine, theirs = offloaded(ids).logits, whole(ids).logits
     assert mine.dtype == torch.float32
@@ -283,12 +283,12 @@ def test_a_bfloat16_heads_logits_are_float32_math_on_its_values(hidden_dtype, mo
     """Where the states and the weight hold bfloat16 values, the head's float32 products may take them as
     bfloat16 (oneDNN's bf16 math mode, faster where the CPU has bfloat16 units): they lose nothing, and the
     process-wide setting is back as it was afterwards. States of other dtypes keep plain float32 products."""
-    from collab_convert.integration import layerwise
+    from collab_convert.integration import heads
 
     torch.manual_seed(0)
     head = torch.nn.Linear(96, 50, bias=False).to(torch.bfloat16)
-    layerwise._float32_in_slices(head)
-    monkeypatch.setattr(layerwise, "SLICE_ROWS", 16)  # several slices, the last one short
+    heads.float32_in_slices(head)
+    monkeypatch.setattr(heads, "SLICE_ROWS", 16)  # several slices, the last one short
     hidden = (torch.randn(2, 5, 96) * 3).to(hidden_dtype)
     setting = torch.backends.mkldnn.matmul.fp32_precision
     logits = head(hidden)
