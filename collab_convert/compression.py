@@ -21,7 +21,9 @@ from .errors import first_line
 from .format import CHECKPOINT_CODE
 from .forms import Form, FormPlan, form_named
 from .io.folders import StagedOutput, copy_non_weight_files, record_dtype, weights_on_disk
+from .integration.model_runs import keeping_states
 from .options import CompressOptions, gate_failures
+from .predict import states_to_keep
 from .progress import Progress, StageClock, no_progress
 from .results import CompressPlan, CompressResult
 from .resume import FinishedLayers
@@ -99,11 +101,14 @@ def _stages(source: SourceModel, form: Form, form_plan: FormPlan, options: Compr
     mix = None
     if fitted is not None:
         fitted, mix = mixed_calibration(source, options, fitted)
-    statistics = form.statistics(source, options, fitted, progress, staged.scratch)
+    with keeping_states(states_to_keep(source, options, held_out)) as kept:
+        statistics = form.statistics(source, options, fitted, progress, staged.scratch)
     if mix is not None and statistics.calibration is not None:
         statistics.calibration["mix"] = mix
         statistics.calibration["repeated_lines_dropped"] = held_out.repeats_dropped
     estimator = form.estimator(source, options, statistics, held_out)
+    if estimator is not None:
+        estimator.kept = kept
     sizes, size_choice = form.sizes(source, options, form_plan, statistics, estimator, progress)
     finished = FinishedLayers(staged.finished_work, form.report_type)
     reports, files = form.convert(source, options, sizes, statistics, staged.folder, progress, finished)

@@ -44,6 +44,17 @@ def can_measure(source: SourceModel) -> bool:
                                                                   "spiece.model", "vocab.json"))
 
 
+def states_to_keep(source: SourceModel, options: CompressOptions, held_out: ProbeTexts | None):
+    """What the calibration pass keeps of the original for the fidelity check (integration/model_runs.KeptStates):
+    a language model's states on the held-out texts, which the check then need not compute again; else None."""
+    from .integration.fidelity import is_language_model
+    from .integration.model_runs import KeptStates
+
+    if held_out is None or not is_language_model(source.config.get("architectures")) or not can_measure(source):
+        return None
+    return KeptStates(held_out.texts, options.calibration_max_length)
+
+
 class FidelityEstimator:
     """Embedding cosine of the collaborative model to the original, at any rank, on fixed probe texts. Models are
     loaded with their blocks offloaded to disk (one block in memory as it runs), so measuring a model does not
@@ -64,6 +75,7 @@ class FidelityEstimator:
         self._reference = None
         self._dtypes: dict[Path, torch.dtype] = {}  # the dtype each measured checkpoint's blocks ran in
         self.cache: dict[int, Estimate] = {}
+        self.kept = None  # the original's states on the probe texts, where calibration kept them (model_runs)
 
     @property
     def reference(self):
@@ -118,7 +130,7 @@ class FidelityEstimator:
             found = compare_language_models(
                 self._loaded(folder, AutoModelForCausalLM), self._loaded(self.source.folder, AutoModelForCausalLM),
                 self.tokenizer, self.probe.texts, self.options.calibration_max_length, device=device,
-                prefixes=[layer.prefix for layer in self.source.layers])
+                prefixes=[layer.prefix for layer in self.source.layers], kept=self.kept)
             stats, next_tokens = found.cosine, {"top1_agreement": found.top1_agreement, "kl_mean": found.kl_mean}
         else:
             stats = self._cosine_stats(folder)

@@ -82,6 +82,48 @@ def right_padded(sequences: list[list[int]], pad: int = 0) -> tuple[torch.Tensor
     return input_ids, attention_mask
 
 
+@dataclass
+class ProbeBatches:
+    """Held-out texts as the fidelity check runs them: each text's ids (`encoded`), consecutive texts grouped
+    (`chosen`), and each group right-padded into (input_ids, attention_mask) (`batches`)."""
+
+    encoded: list[list[int]]
+    chosen: list[list[list[int]]]
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def probe_batches(tokenizer, texts: list[str], max_length: int, config) -> ProbeBatches:
+    """The fidelity check's batches of `texts`: the calibration pass runs the same ones through the original
+    where it keeps its states for the check (model_runs.KeptStates), so both see equal tensors."""
+    encoded = [ids or [pad_id(tokenizer)] for ids in tokenizer(texts, truncation=True, max_length=max_length)
+               ["input_ids"]]
+    chosen = _consecutive(encoded, _body_tokens(config, max(map(len, encoded), default=1)))
+    return ProbeBatches(encoded, chosen, [right_padded(group, pad_id(tokenizer)) for group in chosen])
+
+
+def _body_tokens(config, longest: int) -> int:
+    """Padded tokens per batch of bodies: within calibration's budget, and with activations about what the heads
+    hold anyway for one text (both models' float32 logits), so batching adds little to the peak (SmolLM2, 32 texts:
+    +119 MB anonymous against +100 MB a text at a time, benchmarks/fidelity_check.py). SmolLM2 (576 wide, 49k
+    words): 1365 tokens; GPT-2-medium 785; a 4096-wide model with a 128k vocabulary 384 (calibration's)."""
+    width, vocabulary = getattr(config, "hidden_size", None), getattr(config, "vocab_size", None)
+    if not width or not vocabulary:
+        return longest  # a text at a time
+    logits = 2 * 4 * longest * vocabulary
+    return max(longest, min(batch_tokens(width), logits // (ACTIVATION_BYTES_PER_UNIT * width)))
+
+
+def _consecutive(encoded: list[list[int]], budget: int) -> list[list[list[int]]]:
+    """Consecutive texts, as many to a batch as keep its padded size within `budget` tokens (one at least)."""
+    batches, current = [], []
+    for ids in encoded:
+        if current and (len(current) + 1) * max(len(ids), *map(len, current)) > budget:
+            batches.append(current)
+            current = []
+        current.append(ids)
+    return batches + ([current] if current else [])
+
+
 class SeenEverything(Exception):
     """Raised by the last hook of a forward pass: what runs after it is never observed."""
 

@@ -66,9 +66,18 @@ def bodies_by_block(model, batches: list, stack: list[str], step) -> list:
                 inputs[0] = output[0] if as_tuple else output
                 heap.check()
         step()
+    return finished_bodies(model, batches, stack, [states for states, _, _ in running], as_tuple)
+
+
+@torch.no_grad()
+def finished_bodies(model, batches: list, stack: list[str], states: list, as_tuple: bool) -> list:
+    """The body's output on each batch whose stack of blocks gave `states` (returned as tuples where `as_tuple`):
+    its own forward, the blocks standing in, runs what comes after them. The states may come from another run of
+    the same blocks (the calibration pass's, model_runs.KeptStates)."""
+    body = getattr(model, model.base_model_prefix)
     outputs = []
-    for (input_ids, attention_mask), (states, _, _) in zip(batches, running):
-        with standing_in(body, stack, states, as_tuple):
+    for (input_ids, attention_mask), final in zip(batches, states, strict=True):
+        with standing_in(body, stack, final, as_tuple):
             outputs.append(body_output(model, input_ids, attention_mask))
     return outputs
 

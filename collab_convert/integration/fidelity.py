@@ -11,8 +11,8 @@ from ..devices import HOST, Device, moved, unavailable
 from ..errors import BadInputError
 from ..options import gate_failures
 from ..results import VerifyResult
-from .bodies import block_names, bodies_by_block, body_output
-from .model_runs import FREE_HEAP_BOUND
+from .bodies import block_names, bodies_by_block, body_output, finished_bodies
+from .model_runs import FREE_HEAP_BOUND, KeptStates
 
 
 @torch.no_grad()
@@ -101,7 +101,8 @@ class LanguageModelFidelity:
 
 @torch.no_grad()
 def compare_language_models(model, base, tokenizer, texts: list[str], max_length: int = 128, progress=None,
-                            device: Device = HOST, prefixes: list[str] | None = None) -> LanguageModelFidelity:
+                            device: Device = HOST, prefixes: list[str] | None = None,
+                            kept: KeptStates | None = None) -> LanguageModelFidelity:
     """Sentence-embedding cosines, next-token top-1 agreement and mean KL(base || model), from one pass of each
     model's body per batch of texts and one of its head per text.
 
@@ -111,18 +112,20 @@ def compare_language_models(model, base, tokenizer, texts: list[str], max_length
     (layerwise.block_stack), the bodies run a block at a time over all the batches (bodies.bodies_by_block). The
     embedding is the mean of the final states; the head then runs a text at a time (a text's logits over a 50k
     vocabulary are 26 MB) through the model's own forward, its body standing in with the states already computed,
-    so whatever the model does after its body (logit soft-capping, scaling) is its own code."""
-    from .batches import pad_id, right_padded
+    so whatever the model does after its body (logit soft-capping, scaling) is its own code. Where the calibration
+    pass kept the base's stack output on these texts (`kept`, model_runs.KeptStates), its blocks do not run here."""
+    from .batches import probe_batches
 
-    encoded = [ids or [pad_id(tokenizer)] for ids in tokenizer(texts, truncation=True, max_length=max_length)
-               ["input_ids"]]
-    budget = _body_tokens(base.config.get_text_config(), max(map(len, encoded), default=1))
+    probe = probe_batches(tokenizer, texts, max_length, base.config.get_text_config())
+    encoded, chosen = probe.encoded, probe.chosen
     release_unreachable()  # what the work before let go: the first pass should not pile on it either
-    chosen = _batches(encoded, budget)
-    batches = [moved(right_padded(group, pad_id(tokenizer)), device) for group in chosen]
+    batches = [moved(batch, device) for batch in probe.batches]
     stack = block_names(base, prefixes)
-    steps = _Steps(progress, 2 * (len(stack) if stack else len(batches)) + len(encoded))
-    bodies = {name: _bodies(which, batches, stack, steps) for name, which in (("base", base), ("model", model))}
+    reused = kept is not None and kept.serve(texts, max_length, stack, len(batches))
+    steps = _Steps(progress, (1 if reused else 2) * (len(stack) if stack else len(batches)) + len(encoded))
+    bodies = {"base": finished_bodies(base, batches, stack, [moved(states, device) for states in kept.states],
+                                      kept.as_tuple) if reused else _bodies(base, batches, stack, steps),
+              "model": _bodies(model, batches, stack, steps)}
     pooled = {name: torch.cat([torch.nn.functional.normalize(mean_pooled(output[0], mask), dim=-1).to(HOST)
                                for output, (_, mask) in zip(outputs, batches)]) for name, outputs in bodies.items()}
     agree, total, kl_sum = 0, 0, 0.0
@@ -181,31 +184,6 @@ def _bodies(model, batches: list, stack: list[str] | None, step) -> list:
 def _output_of(kind: type, states: torch.Tensor):
     """A body's output of this type holding only these final states (a tuple where the body returns tuples)."""
     return kind(last_hidden_state=states) if hasattr(kind, "to_tuple") else (states,)
-
-
-def _body_tokens(config, longest: int) -> int:
-    """Padded tokens per batch of bodies: within calibration's budget, and with activations about what the heads
-    hold anyway for one text (both models' float32 logits), so batching adds little to the peak (SmolLM2, 32 texts:
-    +119 MB anonymous against +100 MB a text at a time, benchmarks/fidelity_check.py). SmolLM2 (576 wide, 49k
-    words): 1365 tokens; GPT-2-medium 785; a 4096-wide model with a 128k vocabulary 384 (calibration's)."""
-    from .batches import ACTIVATION_BYTES_PER_UNIT, batch_tokens
-
-    width, vocabulary = getattr(config, "hidden_size", None), getattr(config, "vocab_size", None)
-    if not width or not vocabulary:
-        return longest  # a text at a time
-    logits = 2 * 4 * longest * vocabulary
-    return max(longest, min(batch_tokens(width), logits // (ACTIVATION_BYTES_PER_UNIT * width)))
-
-
-def _batches(encoded: list[list[int]], budget: int) -> list[list[list[int]]]:
-    """Consecutive texts, as many to a batch as keep its padded size within `budget` tokens (one at least)."""
-    batches, current = [], []
-    for ids in encoded:
-        if current and (len(current) + 1) * max(len(ids), *map(len, current)) > budget:
-            batches.append(current)
-            current = []
-        current.append(ids)
-    return batches + ([current] if current else [])
 
 
 class _GivenOutput(torch.nn.Module):

@@ -160,6 +160,7 @@ class BlockRunner:
         self.dtype = floating_dtype(self.blocks[0][0])
         self.activations = HeldOrSpilled(scratch, int(HELD_SHARE * weight_bytes(folder)))
         self.batches = 0
+        self.returns_tuple = False  # whether the blocks return tuples (their states first), once one has run
 
     @torch.no_grad()
     def start(self, inputs: dict) -> None:
@@ -180,8 +181,9 @@ class BlockRunner:
         saved = moved(self.activations[f"inputs-{batch}"], self.device)
         hidden = moved(self.activations[f"hidden-{batch}"], self.device)
         output = self.blocks[index][0](hidden, *saved["args"], **saved["kwargs"])
+        self.returns_tuple = isinstance(output, (tuple, list))
         if keep_output:
-            output = output[0] if isinstance(output, (tuple, list)) else output
+            output = output[0] if self.returns_tuple else output
             self.activations[f"hidden-{batch}"] = output.to(HOST).contiguous()
 
 

@@ -9,8 +9,10 @@ come back in host memory.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -47,6 +49,40 @@ class CalibrationRun:
     width: int | None = None
     scratch: Path | None = None
     device: Device = HOST
+
+
+@dataclass
+class KeptStates:
+    """The original's stack of blocks on held-out texts, run by the calibration pass for the fidelity check, which
+    then runs only the original's head (and what the body does after its blocks): the stack's output on each of
+    the check's batches (batches.probe_batches), in host memory. `states` stays None where the pass ran the whole
+    model rather than a block at a time; the check then runs the original itself, as it does without one."""
+
+    texts: list[str]
+    max_length: int
+    states: list[torch.Tensor] | None = None
+    as_tuple: bool = False  # the blocks return tuples, the states first
+    stack: list[str] | None = None  # the blocks' names within the body
+
+    def serve(self, texts: list[str], max_length: int, stack: list[str] | None, batches: int) -> bool:
+        """Whether these states are the stack's output on exactly this check's batches."""
+        return (self.states is not None and stack is not None and stack == self.stack and texts == self.texts
+                and max_length == self.max_length and len(self.states) == batches)
+
+
+_KEEPING: ContextVar[KeptStates | None] = ContextVar("collab_kept_states", default=None)
+
+
+@contextlib.contextmanager
+def keeping_states(kept: KeptStates | None):
+    """Within: a block-at-a-time calibration pass also runs `kept.texts` through each block, unobserved, after
+    its calibration batches, and fills `kept` (None: nothing kept). The original's blocks are loaded there anyway:
+    the fidelity check then need not load and run them again."""
+    token = _KEEPING.set(kept)
+    try:
+        yield kept
+    finally:
+        _KEEPING.reset(token)
 
 
 def calibration_tokenizer(folder: Path):
@@ -119,7 +155,8 @@ FREE_HEAP_BOUND = 64 << 20
 
 def _by_block(folder: Path, plan, batches: CalibrationBatches, current: CurrentBatch, observer: Observer, progress,
               run: CalibrationRun) -> SpillFolder:
-    """Each layer's record from a block-at-a-time run (layerwise.BlockRunner), kept in the scratch folder."""
+    """Each layer's record from a block-at-a-time run (layerwise.BlockRunner), kept in the scratch folder; the
+    held-out texts of keeping_states, where asked, through the same blocks."""
     from .layerwise import BlockRunner
 
     blocks, device_map = plan
@@ -127,33 +164,53 @@ def _by_block(folder: Path, plan, batches: CalibrationBatches, current: CurrentB
     found = SpillFolder(run.scratch / "statistics")
     for input_ids, attention_mask, _ in batches.batches:
         runner.start({"input_ids": input_ids, "attention_mask": attention_mask})
+    kept = _KEEPING.get()
+    probes = _started_probes(runner, folder, kept) if kept is not None else []
     label, steps = f"calibrating{DETAIL}{batches.tokens} tokens", len(blocks) * len(batches.batches)
     for index, (_, prefix) in enumerate(blocks):
-        handles = observer.attach(runner.model, [prefix])
-        current.observations = None
-        try:
-            # One heap and one load of the block's weights for all its batches: each batch's activations were
-            # mapped and zeroed afresh (the 1 MiB mmap threshold, cpu.py) and its weights read and converted
-            # again (SmolLM2's blocks alone, 100 documents: 24.6-26.4 s on a heap, 28.8-31.5 s mapped). The heap's
-            # top is kept too: handed back after every tensor, it was faulted in again page by page (SmolLM2, 300
-            # documents: 42 s calibrating, 34 s kept). Batches of other lengths leave holes in the heap a little
-            # too small for the next, so its free part is bounded, and it is handed back when the block is done.
-            with reused_heap(keep_top=True), runner.weights_held(index):
-                heap = BoundedHeap(FREE_HEAP_BOUND)
+        # One heap and one load of the block's weights for all its batches: each batch's activations were
+        # mapped and zeroed afresh (the 1 MiB mmap threshold, cpu.py) and its weights read and converted
+        # again (SmolLM2's blocks alone, 100 documents: 24.6-26.4 s on a heap, 28.8-31.5 s mapped). The heap's
+        # top is kept too: handed back after every tensor, it was faulted in again page by page (SmolLM2, 300
+        # documents: 42 s calibrating, 34 s kept). Batches of other lengths leave holes in the heap a little
+        # too small for the next, so its free part is bounded, and it is handed back when the block is done.
+        with reused_heap(keep_top=True), runner.weights_held(index):
+            heap = BoundedHeap(FREE_HEAP_BOUND)
+            handles = observer.attach(runner.model, [prefix])
+            current.observations = None
+            try:
                 for batch, (_, _, lengths) in enumerate(batches.batches):
                     if progress:
                         progress(f"{label}, layer {index + 1}/{len(blocks)}", index * len(batches.batches) + batch,
                                  steps)
                     _run_block(runner, index, batch, lengths, current, last=index + 1 == len(blocks))
                     heap.check()
-        finally:
-            current.observations = None
-            for handle in handles:
-                handle.remove()
+            finally:
+                current.observations = None
+                for handle in handles:
+                    handle.remove()
+            for batch in probes:  # unobserved, and through the whole of the last block
+                runner.run_block(index, batch, keep_output=True)
+                heap.check()
         found[prefix] = observer.finished(prefix)
     if progress:
         progress(f"{label}, layer {len(blocks)}/{len(blocks)}", steps, steps)
+    if probes:
+        kept.states = [runner.activations[f"hidden-{batch}"] for batch in probes]
+        kept.as_tuple, kept.stack = runner.returns_tuple, [name for name, _ in blocks]
     return found
+
+
+def _started_probes(runner, folder: Path, kept: KeptStates) -> list[int]:
+    """The runner's batch numbers of the kept texts, batched as the fidelity check batches them."""
+    from .batches import probe_batches
+
+    config = runner.model.config.get_text_config()
+    first = runner.batches
+    for input_ids, attention_mask in probe_batches(calibration_tokenizer(folder), kept.texts, kept.max_length,
+                                                   config).batches:
+        runner.start({"input_ids": input_ids, "attention_mask": attention_mask})
+    return list(range(first, runner.batches))
 
 
 def _run_block(runner, index: int, batch: int, lengths: list[int], current: CurrentBatch, last: bool) -> None:

@@ -226,6 +226,37 @@ def test_a_language_model_calibrates_on_built_in_text_by_default(tmp_path):
     assert "calibrated" in json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["method"]
 
 
+@pytest.mark.parametrize("form", ["collaborative", "shared-key"])
+def test_a_language_models_check_reads_the_originals_held_out_states_from_the_calibration_pass(form, tmp_path,
+                                                                                               monkeypatch):
+    """The calibration pass kept the original's states on the held-out lines, so the check runs the original's head
+    alone (and its final norm); the figures it reports are those of both models run whole on the same lines."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import transformers as T
+
+    from collab_convert.integration import fidelity
+    from fixtures.models import save_tiny_tokenizer
+
+    torch.manual_seed(0)  # weights large enough for attention that is far from uniform, so a rank 4 key costs
+    T.GPT2LMHeadModel(T.GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=40,
+                                   initializer_range=0.3)).save_pretrained(model := tmp_path / "in")
+    save_tiny_tokenizer(model)
+    lines = [f"the {w} and the {v} were on the way {w}{v} again" for w in "abcdefgh" for v in "xyz"]
+    (tmp_path / "lines.txt").write_text("\n".join(lines) + "\n")
+    reused, finished = [], fidelity.finished_bodies
+    monkeypatch.setattr(fidelity, "finished_bodies", lambda *args: reused.append(1) or finished(*args))
+    result = compress(str(model), CompressOptions(rank=4, output=tmp_path / "out", refine_steps=5, form=form,
+                                                  calibration=tmp_path / "lines.txt", calibration_samples=16))
+    assert reused == [1] and result.fidelity["measured_on"] == "8 held-out lines of " + str(tmp_path / "lines.txt")
+    whole = fidelity.compare_language_models(load_model(tmp_path / "out", AutoModelForCausalLM),
+                                             AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(
+                                                 model), lines[16:], 128)
+    assert result.fidelity["top1_agreement"] == whole.top1_agreement
+    assert result.fidelity["kl_mean"] == pytest.approx(whole.kl_mean, rel=1e-5) and whole.kl_mean > 1e-4
+    assert result.fidelity["cosine_mean"] == pytest.approx(whole.cosine.mean, abs=1e-6)
+
+
 def test_weight_only_decoders_warn_what_it_costs(tmp_path, capsys):
     model = _tiny_language_model(tmp_path / "in")
     capsys.readouterr()  # what building the model printed

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import collab_convert.integration.batches as batches
-from collab_convert.integration.fidelity import _batches, compare_language_models, head_logits
+from collab_convert.integration.batches import _consecutive
+from collab_convert.integration.fidelity import compare_language_models, head_logits
 from fixtures.models import ROTARY_CASES, save_tiny_tokenizer
 
 TEXTS = [f"the {w} was on the {v} and it is {w} again" for w in "abcd" for v in "ij"] + ["it", "the a", "a " * 20]
@@ -96,7 +97,7 @@ def test_offloaded_models_give_the_figures_of_models_held_in_memory(tmp_path):
 
 def test_texts_are_batched_in_order_within_the_padded_token_budget():
     texts = [[1] * 10, [1] * 10, [1] * 30, [1] * 5, [1] * 5, [1] * 5, [1] * 50]
-    batched = _batches(texts, 40)
+    batched = _consecutive(texts, 40)
     assert [len(ids) for batch in batched for ids in batch] == [len(ids) for ids in texts]
     assert [[len(ids) for ids in batch] for batch in batched] == [[10, 10], [30], [5, 5, 5], [50]]
     assert all(len(batch) * max(map(len, batch)) <= 40 for batch in batched if len(batch) > 1)
@@ -226,3 +227,64 @@ def test_the_heads_run_on_one_bounded_heap(tmp_path, monkeypatch):
     assert loads.count("Linear") == 2 * len(TEXTS)  # each model's head, once a text
     assert ("mallopt", cpu.HEAP_THRESHOLD) in libc.calls
     assert [call for call in libc.calls if call[0] == "mallopt"][-1] == ("mallopt", cpu.MMAP_THRESHOLD)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_states_the_calibration_pass_kept_spare_the_check_the_originals_blocks(name, tmp_path, monkeypatch):
+    """The calibration pass runs the held-out texts through each of the original's blocks as it holds them
+    (unobserved, after its own batches) and keeps what the last block gives: the check then loads and runs the
+    compressed model's blocks alone, and its figures are those of running both."""
+    from accelerate.hooks import AlignDevicesHook
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from collab_convert.architectures.source import open_model
+    from collab_convert.format import HeadCounts
+    from collab_convert.forms.shared_key.statistics import geometry_of
+    from collab_convert.integration.capture import collect_statistics
+    from collab_convert.integration.shared_key_capture import collect_shared_key_statistics
+    from collab_convert.integration.layerwise import load_offloaded
+    from collab_convert.integration.model_runs import KeptStates, keeping_states
+
+    model, base = MODELS[name]()
+    for folder, which in (("model", model), ("base", base)):
+        which.save_pretrained(tmp_path / folder)
+    save_tiny_tokenizer(tmp_path / "base")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "base")
+    monkeypatch.setattr(batches, "batch_tokens", lambda width: 48)  # several batches
+    source = open_model(str(tmp_path / "base"))
+    try:
+        prefixes = [layer.prefix for layer in source.layers]
+        with keeping_states(KeptStates(TEXTS, 128)) as kept:  # the capture of the model's own form
+            if source.form == "shared-key":
+                layers = {layer.prefix: (geometry_of(layer), HeadCounts(layer.shape.num_heads, layer.kv_heads),
+                                         layer.causal) for layer in source.layers}
+                collect_shared_key_statistics(source.folder, source.layout, source.family.position_bias, layers,
+                                              TEXTS[:6], max_length=24, scratch=tmp_path / "scratch")
+            else:
+                collect_statistics(source.folder, source.layout, source.family.position_bias, prefixes, TEXTS[:6],
+                                   max_length=24, scratch=tmp_path / "scratch")
+    finally:
+        source.close()
+    assert kept.states is not None and len(kept.states) > 1
+
+    def measured(kept):
+        loads = []
+        onload = AlignDevicesHook._onload_weights
+        with monkeypatch.context() as patched:
+            patched.setattr(AlignDevicesHook, "_onload_weights",
+                            lambda hook, module: loads.append(type(module).__name__) or onload(hook, module))
+            found = compare_language_models(load_offloaded(tmp_path / "model", AutoModelForCausalLM),
+                                            load_offloaded(tmp_path / "base", AutoModelForCausalLM), tokenizer,
+                                            TEXTS, prefixes=prefixes, kept=kept)
+        return found, [load for load in loads if load.endswith(("Block", "DecoderLayer"))]
+
+    both, both_loads = measured(None)
+    reused, reused_loads = measured(kept)
+    assert len(both_loads) == 2 * len(prefixes) and len(reused_loads) == len(prefixes)
+    assert reused.top1_agreement == both.top1_agreement
+    assert reused.kl_mean == pytest.approx(both.kl_mean, rel=1e-6) and reused.kl_mean > 1e-3
+    assert reused.cosine.mean == pytest.approx(both.cosine.mean, abs=1e-7)
+    assert reused.cosine.worst == pytest.approx(both.cosine.worst)
+    # states kept for other texts, or another cut, are not taken for these
+    other = measured(KeptStates(TEXTS[1:], 128, kept.states, kept.as_tuple, kept.stack))[1]
+    assert len(other) == 2 * len(prefixes)
