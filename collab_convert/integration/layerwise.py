@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from ..devices import HOST, Device, floating_dtype, in_pass_dtype, moved
-from .heads import float32_in_slices
 from ..modeling.collaborative import strip_prefix
+from .heads import float32_in_slices
 from .loading import for_measuring
 
 
