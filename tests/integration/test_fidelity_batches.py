@@ -149,16 +149,31 @@ def attention_prefixes(model) -> list[str]:
     return [name for name, module in model.named_modules() if type(module).__name__.endswith("Attention")]
 
 
+def offloaded_check(folder, tokenizer, monkeypatch, prefixes, kept=None):
+    """(the figures, the blocks loaded) of the check on the offloaded models saved under `folder`."""
+    from accelerate.hooks import AlignDevicesHook
+    from transformers import AutoModelForCausalLM
+
+    from collab_convert.integration.layerwise import load_offloaded
+
+    loads, onload = [], AlignDevicesHook._onload_weights
+    with monkeypatch.context() as patched:
+        patched.setattr(AlignDevicesHook, "_onload_weights",
+                        lambda hook, module: loads.append(type(module).__name__) or onload(hook, module))
+        found = compare_language_models(load_offloaded(folder / "model", AutoModelForCausalLM),
+                                        load_offloaded(folder / "base", AutoModelForCausalLM), tokenizer, TEXTS,
+                                        prefixes=prefixes, kept=kept)
+    return found, [load for load in loads if load.endswith(("Block", "DecoderLayer"))]
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_offloaded_bodies_run_a_block_at_a_time_load_each_block_once_and_give_the_same_figures(
         name, tmp_path, monkeypatch):
     """Where the models are one stack of blocks, each block runs on every batch with its weights loaded once
     (a pass per batch loaded every block once per batch), and the body's own forward then runs around blocks
     standing in: the figures are those of the passes per batch."""
-    from accelerate.hooks import AlignDevicesHook
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from collab_convert.integration.layerwise import load_offloaded
 
     model, base = MODELS[name]()
     for folder, which in (("model", model), ("base", base)):
@@ -168,19 +183,8 @@ def test_offloaded_bodies_run_a_block_at_a_time_load_each_block_once_and_give_th
     monkeypatch.setattr(batches, "batch_tokens", lambda width: 48)  # several batches
     prefixes = attention_prefixes(base)
 
-    def measured(prefixes):
-        loads = []
-        onload = AlignDevicesHook._onload_weights
-        with monkeypatch.context() as patched:
-            patched.setattr(AlignDevicesHook, "_onload_weights",
-                            lambda hook, module: loads.append(type(module).__name__) or onload(hook, module))
-            found = compare_language_models(load_offloaded(tmp_path / "model", AutoModelForCausalLM),
-                                            load_offloaded(tmp_path / "base", AutoModelForCausalLM), tokenizer,
-                                            TEXTS, prefixes=prefixes)
-        return found, [load for load in loads if load.endswith(("Block", "DecoderLayer"))]
-
-    per_batch, per_batch_loads = measured(None)
-    by_block, by_block_loads = measured(prefixes)
+    per_batch, per_batch_loads = offloaded_check(tmp_path, tokenizer, monkeypatch, None)
+    by_block, by_block_loads = offloaded_check(tmp_path, tokenizer, monkeypatch, prefixes)
     assert len(per_batch_loads) > 2 * len(prefixes)  # every block, once per batch of each model
     assert len(by_block_loads) == 2 * len(prefixes)  # every block, once for each model
     assert by_block.top1_agreement == per_batch.top1_agreement
@@ -234,15 +238,13 @@ def test_states_the_calibration_pass_kept_spare_the_check_the_originals_blocks(n
     """The calibration pass runs the held-out texts through each of the original's blocks as it holds them
     (unobserved, after its own batches) and keeps what the last block gives: the check then loads and runs the
     compressed model's blocks alone, and its figures are those of running both."""
-    from accelerate.hooks import AlignDevicesHook
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from collab_convert.architectures.source import open_model
     from collab_convert.format import HeadCounts
     from collab_convert.forms.shared_key.statistics import geometry_of
     from collab_convert.integration.capture import collect_statistics
     from collab_convert.integration.shared_key_capture import collect_shared_key_statistics
-    from collab_convert.integration.layerwise import load_offloaded
     from collab_convert.integration.model_runs import KeptStates, keeping_states
 
     model, base = MODELS[name]()
@@ -267,24 +269,14 @@ def test_states_the_calibration_pass_kept_spare_the_check_the_originals_blocks(n
         source.close()
     assert kept.states is not None and len(kept.states) > 1
 
-    def measured(kept):
-        loads = []
-        onload = AlignDevicesHook._onload_weights
-        with monkeypatch.context() as patched:
-            patched.setattr(AlignDevicesHook, "_onload_weights",
-                            lambda hook, module: loads.append(type(module).__name__) or onload(hook, module))
-            found = compare_language_models(load_offloaded(tmp_path / "model", AutoModelForCausalLM),
-                                            load_offloaded(tmp_path / "base", AutoModelForCausalLM), tokenizer,
-                                            TEXTS, prefixes=prefixes, kept=kept)
-        return found, [load for load in loads if load.endswith(("Block", "DecoderLayer"))]
-
-    both, both_loads = measured(None)
-    reused, reused_loads = measured(kept)
+    both, both_loads = offloaded_check(tmp_path, tokenizer, monkeypatch, prefixes)
+    reused, reused_loads = offloaded_check(tmp_path, tokenizer, monkeypatch, prefixes, kept)
     assert len(both_loads) == 2 * len(prefixes) and len(reused_loads) == len(prefixes)
     assert reused.top1_agreement == both.top1_agreement
     assert reused.kl_mean == pytest.approx(both.kl_mean, rel=1e-6) and reused.kl_mean > 1e-3
     assert reused.cosine.mean == pytest.approx(both.cosine.mean, abs=1e-7)
     assert reused.cosine.worst == pytest.approx(both.cosine.worst)
     # states kept for other texts, or another cut, are not taken for these
-    other = measured(KeptStates(TEXTS[1:], 128, kept.states, kept.as_tuple, kept.stack))[1]
+    other = offloaded_check(tmp_path, tokenizer, monkeypatch, prefixes,
+                            KeptStates(TEXTS[1:], 128, kept.states, kept.as_tuple, kept.stack))[1]
     assert len(other) == 2 * len(prefixes)
