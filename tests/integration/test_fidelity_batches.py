@@ -149,6 +149,19 @@ def attention_prefixes(model) -> list[str]:
     return [name for name, module in model.named_modules() if type(module).__name__.endswith("Attention")]
 
 
+def saved_twins(name: str, folder, monkeypatch):
+    """(the base, its tokenizer): the two models of MODELS[name] saved under `folder` ("model", "base"), with a
+    few texts to a batch of bodies."""
+    from transformers import AutoTokenizer
+
+    model, base = MODELS[name]()
+    for place, which in (("model", model), ("base", base)):
+        which.save_pretrained(folder / place)
+    save_tiny_tokenizer(folder / "base")
+    monkeypatch.setattr(batches, "batch_tokens", lambda width: 48)  # several batches
+    return base, AutoTokenizer.from_pretrained(folder / "base")
+
+
 def offloaded_check(folder, tokenizer, monkeypatch, prefixes, kept=None):
     """(the figures, the blocks loaded) of the check on the offloaded models saved under `folder`."""
     from accelerate.hooks import AlignDevicesHook
@@ -172,15 +185,7 @@ def test_offloaded_bodies_run_a_block_at_a_time_load_each_block_once_and_give_th
     """Where the models are one stack of blocks, each block runs on every batch with its weights loaded once
     (a pass per batch loaded every block once per batch), and the body's own forward then runs around blocks
     standing in: the figures are those of the passes per batch."""
-    from transformers import AutoTokenizer
-
-
-    model, base = MODELS[name]()
-    for folder, which in (("model", model), ("base", base)):
-        which.save_pretrained(tmp_path / folder)
-    save_tiny_tokenizer(tmp_path / "base")
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "base")
-    monkeypatch.setattr(batches, "batch_tokens", lambda width: 48)  # several batches
+    base, tokenizer = saved_twins(name, tmp_path, monkeypatch)
     prefixes = attention_prefixes(base)
 
     per_batch, per_batch_loads = offloaded_check(tmp_path, tokenizer, monkeypatch, None)
@@ -238,8 +243,6 @@ def test_states_the_calibration_pass_kept_spare_the_check_the_originals_blocks(n
     """The calibration pass runs the held-out texts through each of the original's blocks as it holds them
     (unobserved, after its own batches) and keeps what the last block gives: the check then loads and runs the
     compressed model's blocks alone, and its figures are those of running both."""
-    from transformers import AutoTokenizer
-
     from collab_convert.architectures.source import open_model
     from collab_convert.format import HeadCounts
     from collab_convert.forms.shared_key.statistics import geometry_of
@@ -247,12 +250,7 @@ def test_states_the_calibration_pass_kept_spare_the_check_the_originals_blocks(n
     from collab_convert.integration.shared_key_capture import collect_shared_key_statistics
     from collab_convert.integration.model_runs import KeptStates, keeping_states
 
-    model, base = MODELS[name]()
-    for folder, which in (("model", model), ("base", base)):
-        which.save_pretrained(tmp_path / folder)
-    save_tiny_tokenizer(tmp_path / "base")
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "base")
-    monkeypatch.setattr(batches, "batch_tokens", lambda width: 48)  # several batches
+    _, tokenizer = saved_twins(name, tmp_path, monkeypatch)
     source = open_model(str(tmp_path / "base"))
     try:
         prefixes = [layer.prefix for layer in source.layers]
