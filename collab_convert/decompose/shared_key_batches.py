@@ -56,43 +56,73 @@ class StackedSequences:
 
     def __init__(self, samples: list[SharedKeySample], geometry: HeadGeometry, setting: AttentionSetting,
                  slots: torch.Tensor, device: Device = HOST, targets: bool = False,
-                 products: torch.dtype = torch.float32):
+                 products: torch.dtype = torch.float32, consume: bool = False):
+        """`consume`: each sample's tensors are let go once stacked (the samples are not read again), so the
+        calibration record and its stacked copy are not both held while the steps run."""
         self.geometry, self.setting, self.slots = geometry, setting, slots
-
-        def stacked(part) -> torch.Tensor:  # (S, n, heads, d) in float32, zero past each sequence's end
-            out = torch.zeros(len(samples), max(part(sample).shape[0] for sample in samples),
-                              *part(samples[0]).shape[1:])
-            for i, sample in enumerate(samples):
-                out[i, : part(sample).shape[0]] = part(sample).float()
-            return out.to(device)
-
         # queries and keys may differ in length (encoder-decoder attention reads another sequence's keys)
-        queries = stacked(lambda sample: sample.queries).transpose(1, 2)  # (S, H, n, d)
-        cos, sin = setting.cos[: queries.shape[2]], setting.sin[: queries.shape[2]]
-        # rebound, so the stacked copy is freed before the slots are gathered (three copies at once were +30 MB
-        # on a GPT-2-medium shape)
-        queries = rotate_half_dims(queries, cos, sin, geometry.rotary_dim).transpose(1, 2)  # (S, n, H, d)
-        self.queries = queries
-        # what a step's shared query reads: gathering a batch's slots from its rows took 4% of a SmolLM2 step
-        self.slot_queries = slot_coordinates(queries, slots, geometry.rotary_dim)  # (S, n, H, 2W + p)
-        self.keys = stacked(lambda sample: sample.keys)  # (S, m, G, d), before RoPE
-        self.values = stacked(lambda sample: sample.values) if samples[0].values is not None else None
         self.query_lengths = torch.tensor([sample.queries.shape[0] for sample in samples], device=device)
         self.key_lengths = torch.tensor([sample.keys.shape[0] for sample in samples], device=device)
+        has_values = samples[0].values is not None
+
+        def stacked(part: str, dtype=torch.float32, among=samples) -> torch.Tensor:  # (S, n, heads, d), zero-padded
+            first = getattr(among[0], part)
+            out = torch.zeros(len(among), max(getattr(sample, part).shape[0] for sample in among), *first.shape[1:],
+                              dtype=dtype)
+            for i, sample in enumerate(among):
+                out[i, : getattr(sample, part).shape[0]] = getattr(sample, part)
+                if consume:
+                    setattr(sample, part, None)
+            return out.to(device)
+
+        recorded = targets and has_values and setting.output_weight is not None and all(
+            sample.target_output is not None for sample in samples)
+        # Where the steps' products round to a narrower dtype anyway, the rows they gather wait in the calibration
+        # record's own dtype (float16: the targets exactly as recorded) and reach float32 as a step gathers them;
+        # keys and values, only operands then, wait in the products' dtype
+        narrow = products != torch.float32 and recorded
+        if recorded:  # with the targets known, the original attention is never computed again: no queries kept
+            self.queries = None
+            self.slot_queries = self._turned_slots(samples, stacked, slots,
+                                                   samples[0].queries.dtype if narrow else torch.float32)
+        else:
+            self.queries = self._turned(stacked("queries"))  # (S, n, H, d)
+            # what a step's shared query reads: gathering a batch's slots from its rows took 4% of a SmolLM2 step
+            self.slot_queries = slot_coordinates(self.queries, slots, geometry.rotary_dim)  # (S, n, H, 2W + p)
+        operands = products if narrow else torch.float32
+        self.keys = stacked("keys", operands)  # (S, m, G, d), before RoPE
+        self.values = stacked("values", operands) if has_values else None
         self.target_output = None
-        if targets and self.values is not None and setting.output_weight is not None:
-            if all(sample.target_output is not None for sample in samples):
-                # recorded by the calibration pass (computing them again took 0.11 s of a SmolLM2 layer's ~2 s)
-                self.target_output = stacked(lambda sample: sample.target_output)
-            else:
-                with torch.no_grad():  # in float32, as every check's target; one problem's attention held at a time
-                    self.target_output = torch.cat([problem.target_output for problem in self.each_problem(2)])
-        if self.target_output is not None:
-            self.queries = None  # with the targets known, the original attention is never computed again
+        if recorded:  # recorded by the calibration pass (computing them again took 0.11 s of a SmolLM2 layer's ~2 s)
+            self.target_output = stacked("target_output",
+                                         samples[0].target_output.dtype if narrow else torch.float32)
+        elif targets and has_values and setting.output_weight is not None:
+            with torch.no_grad():  # in float32, as every check's target; one problem's attention held at a time
+                self.target_output = torch.cat([problem.target_output for problem in self.each_problem(2)])
+            self.queries = None
         if self.target_output is not None and products != torch.float32:
             # with targets known, keys, values and output projection are only operands: kept in the products' dtype
             self.keys, self.values = self.keys.to(products), self.values.to(products)
             self.setting = replace(setting, output_weight=setting.output_weight.to(products))
+
+    def _turned(self, queries: torch.Tensor) -> torch.Tensor:
+        """Stacked queries (S, n, H, d) turned by RoPE at their positions."""
+        cos, sin = self.setting.cos[: queries.shape[1]], self.setting.sin[: queries.shape[1]]
+        return rotate_half_dims(queries.transpose(1, 2), cos, sin, self.geometry.rotary_dim).transpose(1, 2)
+
+    def _turned_slots(self, samples: list[SharedKeySample], stacked, slots: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+        """The turned queries' slot coordinates (S, n, H, 2W + p) in `dtype`, a few sequences at a time: the whole
+        set's float32 queries, turned and gathered, were three copies of 80 MB at once on a SmolLM2 layer."""
+        out = None
+        for start in range(0, len(samples), 32):
+            part = slot_coordinates(self._turned(stacked("queries", among=samples[start : start + 32])), slots,
+                                    self.geometry.rotary_dim)
+            if out is None:
+                out = torch.zeros(len(samples), int(self.query_lengths.max()), *part.shape[2:], dtype=dtype,
+                                  device=part.device)
+            out[start : start + len(part), : part.shape[1]] = part
+        return out
 
     def __len__(self) -> int:
         return self.key_lengths.shape[0]
@@ -117,12 +147,14 @@ class StackedSequences:
         def gathered(stacked: torch.Tensor) -> torch.Tensor:  # (B, rows, ...)
             return stacked.flatten(0, 1).index_select(0, rows).view(*positions.shape, *stacked.shape[2:])
 
-        target = gathered(self.target_output) if self.target_output is not None else None
+        # rows kept in a narrower dtype (see __init__) reach float32 here: the error's subtraction and the cores'
+        # elementwise products stay in float32
+        target = gathered(self.target_output).float() if self.target_output is not None else None
         queries = gathered(self.queries).transpose(1, 2) if self.queries is not None else None
         return AttentionProblem(queries, self.keys[:, :length].index_select(0, chosen),
                                 self.values[:, :length].index_select(0, chosen) if self.values is not None else None,
                                 positions, row_valid, key_valid, self.geometry, self.setting, self.slots, products,
-                                target, gathered(self.slot_queries).transpose(1, 2))
+                                target, gathered(self.slot_queries).float().transpose(1, 2))
 
     def problems(self, size: int = 8) -> list[AttentionProblem]:
         """Every sequence at every position, `size` sequences a problem."""

@@ -63,16 +63,19 @@ def attention_output_errors(samples: list[SharedKeySample], factors: SharedKeyFa
 def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors, geometry: HeadGeometry,
                       setting: AttentionSetting, steps: int = 200, learning_rate: float = 9e-2,
                       batch_sequences: int = 8, query_rows: int = 32, seed: int = 0,
-                      device: Device = HOST, values: ValueLatent | None = None) -> SharedKeyRefinement:
+                      device: Device = HOST, values: ValueLatent | None = None,
+                      consume: bool = False) -> SharedKeyRefinement:
     """Adam on the error of the attention output through the output projection where the samples carry values
     (else the mean attention KL(original || shared) per head and query; see the module docstring), with a value
     latent refined together with the key where one is given. The steps run on `device`; the samples wait in host
-    memory, and the result comes back there."""
+    memory, and the result comes back there. `consume`: the samples' tensors are let go as they are stacked (the
+    caller reads them no more), so a layer's calibration record is not held beside its stacked copy."""
     slots = slot_frequencies(factors.ranks).to(device)
     setting = setting.on(device)
     held = held_out_count(len(samples))
     train, check = (samples[:-held], samples[-held:]) if held else (samples, samples)
-    checks = StackedSequences(check, geometry, setting, slots, device).problems()
+    # (with too few samples to hold any out, the checks run on the training samples: those are stacked again below)
+    checks = StackedSequences(check, geometry, setting, slots, device, consume=consume and bool(held)).problems()
     check_rows = sum(int(p.valid.sum()) for p in checks)
     if values is not None and checks[0].values is None:
         raise ValueError("refining a value latent needs samples with values and the layer's output projection")
@@ -95,7 +98,8 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
     kl_before = held_out_kl()
     products = training_products(device)  # the steps' products; the held-out checks stay in float32
 
-    sequences = StackedSequences(train, geometry, setting, slots, device, targets=True, products=products)
+    sequences = StackedSequences(train, geometry, setting, slots, device, targets=True, products=products,
+                                 consume=consume)
     lengths = sequences.query_lengths.to(HOST)
 
     def minibatch_loss() -> torch.Tensor:

@@ -156,6 +156,54 @@ def test_steps_in_bfloat16_read_their_operands_kept_in_it_and_score_as_float32_d
     assert norm == expected_norm and abs(float(loss) - float(expected)) < 0.03 * float(expected)
 
 
+def recorded(samples, setting):
+    """The samples with the attention output the calibration pass records beside them (float16, as it keeps them)."""
+    for sample in samples:
+        sample.target_output = original_output(sample, setting, torch.arange(sample.queries.shape[0])).half()
+    return samples
+
+
+def test_with_recorded_targets_bfloat16_steps_gather_float32_rows_kept_in_the_records_dtype():
+    """Where the steps' products round to bfloat16 anyway, the stacked targets and the queries' slot coordinates
+    wait in the record's float16 (half of float32's bytes); a step gathers them as float32: the targets exactly as
+    recorded, the loss float32's up to bfloat16 rounding."""
+    samples, setting, factors = sequences_and_setting(seed=4)
+    samples = recorded(samples, setting)
+    slots = slot_frequencies(factors.ranks)
+    parameters = (factors.key_mixing.float(), factors.query_core.float(), factors.pass_core.float())
+    chosen, picks = torch.tensor([1, 3, 4]), [torch.tensor([0, 5, 12]), torch.tensor([2, 8]), torch.tensor([23])]
+    exact = StackedSequences(samples, GEOMETRY, setting, slots, targets=True)
+    narrow = StackedSequences(samples, GEOMETRY, setting, slots, targets=True, products=torch.bfloat16)
+    assert exact.target_output.dtype == exact.slot_queries.dtype == torch.float32
+    assert narrow.target_output.dtype == narrow.slot_queries.dtype == torch.float16
+    assert narrow.keys.dtype == narrow.values.dtype == torch.bfloat16
+    gathered, expected = (s.problem(chosen, rows_of(picks), torch.bfloat16) for s in (narrow, exact))
+    assert gathered.target_output.dtype == torch.float32
+    assert torch.equal(gathered.target_output, expected.target_output)
+    assert torch.allclose(gathered._slot_queries, expected._slot_queries, rtol=1e-3, atol=1e-3)
+    (loss, norm), (loss_exact, norm_exact) = (p.loss(*parameters) for p in (gathered, expected))
+    assert norm == norm_exact and abs(float(loss) - float(loss_exact)) < 0.03 * float(loss_exact)
+
+
+def test_consumed_samples_are_let_go_as_they_are_stacked_and_stack_the_same():
+    """A refinement that reads its samples once lets each sample's tensors go as it stacks them, so a layer's
+    calibration record is not held beside its stacked copy while the steps run."""
+    kept_samples, setting, factors = sequences_and_setting(seed=6)
+    consumed_samples, _, _ = sequences_and_setting(seed=6)
+    slots = slot_frequencies(factors.ranks)
+    for products in (torch.float32, torch.bfloat16):
+        kept = StackedSequences(recorded(kept_samples, setting), GEOMETRY, setting, slots, targets=True,
+                                products=products)
+        consumed = StackedSequences(recorded(consumed_samples, setting), GEOMETRY, setting, slots, targets=True,
+                                    products=products, consume=True)
+        assert all(part is None for sample in consumed_samples
+                   for part in (sample.queries, sample.keys, sample.values, sample.target_output))
+        assert all(sample.queries is not None for sample in kept_samples)
+        for name in ("slot_queries", "keys", "values", "target_output", "query_lengths", "key_lengths"):
+            assert torch.equal(getattr(consumed, name), getattr(kept, name)), name
+        consumed_samples, _, _ = sequences_and_setting(seed=6)
+
+
 def test_a_step_draws_distinct_sorted_rows_within_each_sequence_in_one_draw():
     from collab_convert.decompose.refinement import drawn_rows
 
@@ -172,3 +220,20 @@ def test_a_step_draws_distinct_sorted_rows_within_each_sequence_in_one_draw():
     assert torch.equal(positions, again)  # a seed draws the same rows
     for asked in (None, 99):  # every row, or more than the longest has: as many as the longest has
         assert drawn_rows(lengths, asked, torch.Generator().manual_seed(0))[0].shape == (3, 24)
+
+
+def test_a_refinement_that_consumes_its_samples_refines_as_one_that_keeps_them():
+    """Whether or not some sequences are held out (ten or more), consuming the samples changes nothing of the result;
+    with too few to hold any out, the checks read the training samples, which are stacked for the steps after."""
+    from collab_convert.decompose.shared_key_refinement import refine_shared_key
+
+    for copies in (1, 2):  # 6 sequences: none held out; 12: one held out
+        results = []
+        for consume in (False, True):
+            samples, setting, factors = sequences_and_setting(seed=7)
+            more, _, _ = sequences_and_setting(seed=8)
+            samples = recorded((samples + more)[: 6 * copies], setting)
+            results.append(refine_shared_key(samples, factors, GEOMETRY, setting, steps=6, consume=consume))
+        kept, consumed = results
+        assert kept.loss_after == consumed.loss_after and kept.steps == consumed.steps
+        assert torch.equal(kept.factors.query_core, consumed.factors.query_core)

@@ -74,7 +74,8 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, width: int, profile: 
 
         with reused_heap(keep_top=True):  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
             refined = refine_shared_key(record.samples, factors, geometry, record.setting, steps=options.refine_steps,
-                                        seed=options.seed, device=options.device, values=latent)
+                                        seed=options.seed, device=options.device, values=latent,
+                                        consume=True)
         factors, latent = refined.factors, refined.values
         refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
                       "objective": refined.objective, "loss_before": refined.loss_before,

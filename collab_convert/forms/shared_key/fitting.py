@@ -147,7 +147,8 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, stat
 
         with reused_heap(keep_top=True):  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
             refined = refine_shared_key(calibration.samples, factors, geometry_of(layer), calibration.setting,
-                                        steps=options.refine_steps, seed=options.seed, device=options.device)
+                                        steps=options.refine_steps, seed=options.seed, device=options.device,
+                                        consume=True)
         factors = refined.factors
         refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
                       "objective": refined.objective, "loss_before": refined.loss_before,
