@@ -68,13 +68,12 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
     """Adam on the error of the attention output through the output projection where the samples carry values
     (else the mean attention KL(original || shared) per head and query; see the module docstring), with a value
     latent refined together with the key where one is given. The steps run on `device`; the samples wait in host
-    memory, and the result comes back there. `consume`: the samples' tensors are let go as they are stacked (the
-    caller reads them no more), so a layer's calibration record is not held beside its stacked copy."""
+    memory, and the result comes back there. `consume`: the samples' tensors are let go once stacked (the caller
+    reads them no more; where none are held out, only after the checks' copy), not held beside their stacked copy."""
     slots = slot_frequencies(factors.ranks).to(device)
     setting = setting.on(device)
     held = held_out_count(len(samples))
     train, check = (samples[:-held], samples[-held:]) if held else (samples, samples)
-    # (with too few samples to hold any out, the checks run on the training samples: those are stacked again below)
     checks = StackedSequences(check, geometry, setting, slots, device, consume=consume and bool(held)).problems()
     check_rows = sum(int(p.valid.sum()) for p in checks)
     if values is not None and checks[0].values is None:
