@@ -1,6 +1,8 @@
 """Refinement's reused heap (cpu.reused_heap) is process-wide: layers refined side by side in threads share it, and
-the 1 MiB mmap threshold of the block-at-a-time passes returns only when the last of them is done."""
+the 1 MiB mmap threshold of the block-at-a-time passes returns only when the last of them is done. What the
+process keeps for its life is bounded too (oneDNN's kernel cache)."""
 
+import os
 import threading
 
 import pytest
@@ -98,3 +100,20 @@ def test_anonymous_memory_is_read_from_the_process():
     touched = torch.ones(16 << 20)  # 64 MiB of float32, every page written
     after = cpu.anonymous_resident_bytes()
     assert after - before >= 60 << 20 and float(touched[-1]) == 1.0
+
+
+def test_onednn_keeps_a_bounded_number_of_kernels_unless_the_environment_says_otherwise(monkeypatch):
+    """oneDNN's kernel cache (1,024 by default) holds its memory for the process's life: compress, analyze and
+    verify bound it before their first product, and leave a capacity the user set alone."""
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"):
+        monkeypatch.delenv(name, raising=False)
+    assert cpu.bound_primitive_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == cpu.PRIMITIVE_CACHE
+    with cpu.math_threads(1):  # what compress and analyze run their math in
+        assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == cpu.PRIMITIVE_CACHE
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"):
+        monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+        monkeypatch.setenv(name, "7")
+        assert not cpu.bound_primitive_cache()
+        assert os.environ[name] == "7" and os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "7") == "7"
+        monkeypatch.delenv(name)

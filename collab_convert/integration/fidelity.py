@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cpu import BoundedHeap, release_unreachable, return_freed_heap, reused_heap
+from ..cpu import BoundedHeap, bound_primitive_cache, release_unreachable, return_freed_heap, reused_heap
 from ..devices import HOST, Device, moved, unavailable
 from ..errors import BadInputError
 from ..options import gate_failures
@@ -258,6 +258,7 @@ def verify(model: str, against: str | None, texts: list[str], thresholds: dict[s
 
     if unavailable(device):
         raise BadInputError(unavailable(device))
+    bound_primitive_cache()
     register()
     folder = resolve_model(model)
     against = against or recorded_base(folder)
