@@ -68,7 +68,7 @@ PRIMITIVE_CACHE = "32"
 def bound_primitive_cache() -> bool:
     """Keep oneDNN's kernel cache to PRIMITIVE_CACHE entries, unless the environment sets it. oneDNN reads the
     setting when it first builds a kernel, so this works where nothing in the process has multiplied through it
-    yet (a CLI run; a library caller's first job). Returns whether the setting is ours."""
+    yet (a CLI run; a library caller's first job). Returns whether this call set it."""
     if "ONEDNN_PRIMITIVE_CACHE_CAPACITY" in os.environ or "DNNL_PRIMITIVE_CACHE_CAPACITY" in os.environ:
         return False
     os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = PRIMITIVE_CACHE

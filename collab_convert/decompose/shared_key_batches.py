@@ -75,8 +75,9 @@ class StackedSequences:
                     setattr(sample, part, None)
             return out.to(device)
 
-        recorded = targets and has_values and setting.output_weight is not None and all(
-            sample.target_output is not None for sample in samples)
+        # targets are the layer's output, which needs the values and the output projection
+        targets = targets and has_values and setting.output_weight is not None
+        recorded = targets and all(sample.target_output is not None for sample in samples)
         # Where the steps' products round to a narrower dtype anyway, the rows they gather wait in the calibration
         # record's own dtype (float16: the targets exactly as recorded) and reach float32 as a step gathers them;
         # keys and values, only operands then, wait in the products' dtype
@@ -96,7 +97,7 @@ class StackedSequences:
         if recorded:  # recorded by the calibration pass (computing them again took 0.11 s of a SmolLM2 layer's ~2 s)
             self.target_output = stacked("target_output",
                                          samples[0].target_output.dtype if narrow else torch.float32)
-        elif targets and has_values and setting.output_weight is not None:
+        elif targets:
             with torch.no_grad():  # in float32, as every check's target; one problem's attention held at a time
                 self.target_output = torch.cat([problem.target_output for problem in self.each_problem(2)])
             self.queries = None
