@@ -127,7 +127,7 @@ HEAP_TRIM_THRESHOLD = 2 * HEAP_THRESHOLD  # what glibc pairs with its own moving
 
 
 @functools.cache
-def _libc():
+def glibc():
     """glibc, loaded once: finding it (find_library runs ldconfig) took 1.5 ms a call, and the block-at-a-time
     passes may hand the heap back after every batch (BoundedHeap)."""
     import ctypes
@@ -150,7 +150,7 @@ def return_freed_memory() -> bool:
     of MB of memory it no longer used (measured: 300 -> 836 MB over four passes of a 12-block GPT-2; flat at
     300 MB with a fixed threshold). A fixed 1 MiB threshold keeps every tensor-sized block mmapped, returned
     when freed. Returns whether it applied (glibc only)."""
-    libc = _libc()
+    libc = glibc()
     return bool(libc and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
@@ -161,7 +161,7 @@ def return_freed_heap() -> None:
     (each block's small weights, reloaded per pass) between long-lived ones, so the heap's top rarely shrinks by
     itself. Trimmed after each pass of the fidelity check: its peak on a 24-layer GPT-2-medium-shaped bf16
     checkpoint fell from 433 to 349 MB above the baseline, and 267 MB stayed resident after it, 155 MB trimmed."""
-    libc = _libc()
+    libc = glibc()
     if libc is not None:
         libc.malloc_trim(0)
 
@@ -235,7 +235,7 @@ def reused_heap(keep_top: bool = False):
     documents, 3M and 34 s kept. The fidelity check does not: a 12-layer GPT-2-medium-shaped checkpoint then
     peaked 40 MB higher, and SmolLM2's check was no faster."""
     global _HEAP_USERS, _TOP_USERS
-    libc = _libc()
+    libc = glibc()
     if libc is None:
         yield
         return

@@ -15,7 +15,7 @@ from fixtures.libc import RecordingLibc
 
 def test_the_heap_stays_until_the_last_refinement_sharing_it_is_done(monkeypatch):
     libc = RecordingLibc()
-    monkeypatch.setattr(cpu, "_libc", lambda: libc)
+    monkeypatch.setattr(cpu, "glibc", lambda: libc)
     first_inside, second_done = threading.Event(), threading.Event()
 
     def first():
@@ -36,7 +36,7 @@ def test_the_heap_stays_until_the_last_refinement_sharing_it_is_done(monkeypatch
 
 def test_an_error_inside_still_gives_the_threshold_back(monkeypatch):
     libc = RecordingLibc()
-    monkeypatch.setattr(cpu, "_libc", lambda: libc)
+    monkeypatch.setattr(cpu, "glibc", lambda: libc)
     try:
         with cpu.reused_heap():
             raise ValueError("a refinement that failed")
@@ -52,7 +52,7 @@ def test_loops_of_steps_keep_the_heaps_top_and_forward_passes_do_not(monkeypatch
     the heap's top and be faulted in again. A loop of steps keeps the top (up to 64 MiB) while it runs, even
     with a forward pass's user sharing the heap; a forward pass alone leaves the default."""
     libc = RecordingLibc()
-    monkeypatch.setattr(cpu, "_libc", lambda: libc)
+    monkeypatch.setattr(cpu, "glibc", lambda: libc)
     with cpu.reused_heap():
         assert libc.trim_thresholds == []
     with cpu.reused_heap(keep_top=True):
@@ -67,7 +67,7 @@ def test_loops_of_steps_keep_the_heaps_top_and_forward_passes_do_not(monkeypatch
 def test_the_heap_is_trimmed_before_a_refinement_takes_it(monkeypatch):
     """What the work before freed (a layer's fit) is handed back first: the heap grows from what is live."""
     libc = RecordingLibc()
-    monkeypatch.setattr(cpu, "_libc", lambda: libc)
+    monkeypatch.setattr(cpu, "glibc", lambda: libc)
     with cpu.reused_heap():
         assert libc.calls == [("trim", 0), ("mallopt", cpu.HEAP_THRESHOLD)]
         with cpu.reused_heap():  # a user inside another's heap takes it as it is
@@ -78,7 +78,7 @@ def test_the_heap_is_handed_back_only_past_its_bound_of_growth(monkeypatch):
     """Between a block's batches: a heap that grew little keeps its free pages for the next batch; one whose holes
     grew past the bound gives them back, and what stays after that is the start of the next look."""
     libc = RecordingLibc()
-    monkeypatch.setattr(cpu, "_libc", lambda: libc)
+    monkeypatch.setattr(cpu, "glibc", lambda: libc)
     resident = [100 << 20]
     monkeypatch.setattr(cpu, "anonymous_resident_bytes", lambda: resident[0])
     heap = cpu.BoundedHeap(64 << 20)

@@ -138,7 +138,7 @@ def test_each_pass_hands_its_freed_heap_back(tmp_path, monkeypatch):
     passes, libc = [], RecordingLibc()
     body = fidelity.body_output
     monkeypatch.setattr(fidelity, "body_output", lambda *args: passes.append(1) or body(*args))
-    monkeypatch.setattr(cpu, "_libc", lambda: libc)
+    monkeypatch.setattr(cpu, "glibc", lambda: libc)
     compare_language_models(model, base, tokenizer, TEXTS)
     # up to the heads' heap (trimmed on its way in too): one trim before the passes, one after each
     bodies = libc.calls[: libc.calls.index(("mallopt", cpu.HEAP_THRESHOLD)) - 1]
@@ -227,7 +227,7 @@ def test_the_heads_run_on_one_bounded_heap(tmp_path, monkeypatch):
     save_tiny_tokenizer(tmp_path / "base")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "base")
     libc, loads = RecordingLibc(), []
-    monkeypatch.setattr(cpu, "_libc", lambda: libc)
+    monkeypatch.setattr(cpu, "glibc", lambda: libc)
     onload = AlignDevicesHook._onload_weights
     monkeypatch.setattr(AlignDevicesHook, "_onload_weights",
                         lambda hook, module: loads.append(type(module).__name__) or onload(hook, module))

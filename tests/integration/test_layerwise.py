@@ -1,5 +1,7 @@
 """Calibration a block at a time: the same statistics as whole forward passes, one layer in memory at a time."""
 
+import sys
+
 import pytest
 import torch
 
@@ -240,7 +242,7 @@ def test_a_block_keeps_one_heap_and_one_load_of_its_weights_for_all_its_batches(
     monkeypatch.setattr(model_runs, "calibration_tokenizer", lambda folder: CharacterTokenizer())
     monkeypatch.setattr(batching, "BATCH_SEQUENCES", 3)
     libc, loads = RecordingLibc(), []
-    monkeypatch.setattr(cpu, "_libc", lambda: libc)
+    monkeypatch.setattr(cpu, "glibc", lambda: libc)
     onload = AlignDevicesHook._onload_weights
     monkeypatch.setattr(AlignDevicesHook, "_onload_weights",
                         lambda hook, module: loads.append(type(module).__name__) or onload(hook, module))
@@ -296,6 +298,37 @@ def test_a_bfloat16_heads_logits_are_float32_math_on_its_values(hidden_dtype, mo
     assert logits.dtype == torch.float32
     assert (logits.double() - exact).abs().max() < 1e-5 * exact.abs().max()
     assert torch.backends.mkldnn.matmul.fp32_precision == setting
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_head_read_from_its_shard_leaves_its_pages_as_it_converts_them(tmp_path, monkeypatch):
+    """An offloaded head's weight is a view of its shard's mapping: its pages go slice by slice as they are
+    converted (not the whole head resident until the call ends), and the logits are those of the weight in memory."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from collab_convert.integration import heads
+
+    torch.manual_seed(0)
+    save_file({"weight": torch.randn(8192, 256).to(torch.bfloat16)}, tmp_path / "head.safetensors")  # 4 MB
+    mapped = safe_open(str(tmp_path / "head.safetensors"), framework="pt").get_tensor("weight")
+    head, in_memory = (torch.nn.Linear(256, 8192, bias=False) for _ in range(2))
+    head.weight, in_memory.weight = torch.nn.Parameter(mapped, False), torch.nn.Parameter(mapped.clone(), False)
+    monkeypatch.setattr(heads, "SLICE_ROWS", 1024)
+    for linear in (head, in_memory):
+        heads.float32_in_slices(linear)
+    hidden = torch.randn(1, 4, 256).to(torch.bfloat16)
+
+    def resident_file_bytes() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssFile:"))
+
+    float(mapped.float().sum())  # every page resident, as a plain read would leave it
+    before = resident_file_bytes()
+    logits = head(hidden)
+    assert before - resident_file_bytes() > 3e6  # most of its 4 MB gone
+    assert torch.equal(logits, in_memory(hidden))
+    assert torch.equal(head.weight, in_memory.weight)
 
 
 @pytest.mark.parametrize("by_block", [True, False])

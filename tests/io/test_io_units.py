@@ -159,3 +159,26 @@ def test_tensors_are_overwritten_in_place_and_nothing_else_moves(tmp_path):
     with pytest.raises(RuntimeError, match="not in"):
         overwrite_tensors(tmp_path, {"a": first, "missing": torch.zeros(1)})
     assert {name: (tmp_path / name).read_bytes() for name in files} == written  # refused whole, before a byte
+
+
+def test_reading_layer_by_layer_keeps_one_shard_mapped(tmp_path):
+    """A loop over the layers that reads each one's weights (the rank spread, the fits before refinement) holds
+    the pages of the shard it reads, not of every shard read before it."""
+    from transformers import BertModel
+
+    from collab_convert.architectures.source import open_model
+    from fixtures.models import save_tiny_tokenizer, tiny_bert_config
+
+    torch.manual_seed(0)
+    BertModel(tiny_bert_config(num_hidden_layers=4)).save_pretrained(tmp_path, max_shard_size="40KB")
+    save_tiny_tokenizer(tmp_path)
+    source = open_model(str(tmp_path))
+    try:
+        shards_read = set()
+        for layer in source.shard_by_shard():
+            source.read_projections(layer)
+            shards_read |= set(source.reader._open)
+            assert list(source.reader._open) == [source.reader._location[layer.anchor]]
+        assert len(shards_read) > 1  # the layers do lie in several shards
+    finally:
+        source.close()

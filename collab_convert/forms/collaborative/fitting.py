@@ -93,10 +93,7 @@ def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[
     # fits wait on disk beside statistics that do (a block-at-a-time calibration): memory holds one layer
     fits = SpillFolder(metrics.folder.parent / "fits") if isinstance(metrics, SpillFolder) else {}
     losses = []
-    for layer in source.layers:
-        # one input shard mapped at a time here too: the pages each layer's fit read would otherwise stay
-        # resident (file-backed) for every layer until writing begins
-        source.reader.release_all_but(layer.anchor)
+    for layer in source.shard_by_shard():  # else each fit's pages stay resident until writing begins
         rank, metric = ranks[layer.prefix], metrics[layer.prefix]
         started = time.perf_counter()
         projections, fit, bias = _fit(source, layer, options, rank, metric, progress, labels)

@@ -71,7 +71,7 @@ def direction_energies(source: SourceModel, metrics) -> dict[str, torch.Tensor]:
     from ...decompose.spectra import key_side_matrix, query_side_matrix
 
     energies = {}
-    for layer in source.layers:
+    for layer in source.shard_by_shard():
         products = source.read_projections(layer).products(layer.shape.num_heads)
         if metrics is not None:
             metric = metrics[layer.prefix]
@@ -103,7 +103,7 @@ def energy_ranks(source: SourceModel, options: CompressOptions, metrics) -> dict
     from ...decompose.spectra import energy_rank, key_side_matrix, query_side_matrix
 
     ranks = {}
-    for layer in source.layers:
+    for layer in source.shard_by_shard():
         products = source.read_projections(layer).products(layer.shape.num_heads)
         if metrics is not None:
             metric = metrics[layer.prefix]

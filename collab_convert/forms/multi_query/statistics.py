@@ -34,8 +34,7 @@ def model_weight_records(source: SourceModel, scratch: Path | None = None) -> Mu
     """Each layer's key statistics and value moment from the weights, one input shard mapped at a time; with a
     `scratch` folder they wait on disk."""
     records = SpillFolder(scratch / "kv-statistics") if scratch is not None else {}
-    for layer in source.layers:
-        source.reader.release_all_but(layer.anchor)
+    for layer in source.shard_by_shard():
         records[layer.prefix] = SharedKeyCalibration(weight_statistics(source, layer), [], None,
                                                      weight_value_moment(source, layer))
     return records

@@ -49,8 +49,7 @@ def model_weight_statistics(source: SourceModel, scratch: Path | None = None) ->
     `scratch` folder they wait on disk: a layer without rotation holds a (G d)^2 key covariance, 8 MB at
     GPT-2-medium's width, which over all layers would grow the peak with depth."""
     statistics = SpillFolder(scratch / "key-statistics") if scratch is not None else {}
-    for layer in source.layers:
-        source.reader.release_all_but(layer.anchor)
+    for layer in source.shard_by_shard():
         statistics[layer.prefix] = weight_statistics(source, layer)
     return statistics
 

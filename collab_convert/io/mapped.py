@@ -1,0 +1,59 @@
+"""Pages of memory-mapped checkpoint files: a tensor read straight from its shard (safetensors maps the file) puts
+every page it touches in the process's resident memory for as long as the mapping lives. Where a loop reads such a
+tensor once, slice by slice, the slices it has read can leave again: they stay in the page cache, and a later touch
+maps them back from there. Only mappings of files whose pages were never written qualify: anonymous memory given
+back this way would read as zeros, and a written page would read as the file's bytes again."""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+from ..cpu import glibc
+
+_MADV_DONTNEED = 4  # Linux: drop the range's pages from this process (a file mapping's are read again on touch)
+
+
+def unmodified_file_mapping(tensor: torch.Tensor) -> bool:
+    """Whether all of the tensor's bytes lie in one mapping of a file none of whose pages this process has written
+    (/proc/self/smaps, Linux). safetensors maps shards private and writable: a page written there would be a private
+    copy, and dropping it would bring the file's bytes back, so a mapping with any such page does not qualify."""
+    if tensor.device.type != "cpu" or not tensor.numel():
+        return False
+    start = tensor.untyped_storage().data_ptr()
+    end = start + tensor.untyped_storage().nbytes()
+    inside = False
+    try:
+        with open("/proc/self/smaps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's first line
+                    if inside:
+                        return False  # its block ended without an Anonymous line
+                    low, high = (int(value, 16) for value in fields[0].split("-"))
+                    if low <= start < high:
+                        path = fields[5].strip() if len(fields) == 6 else ""
+                        if end > high or fields[1][0] != "r" or not path.startswith("/"):
+                            return False
+                        inside = True
+                elif inside and fields[0] == "Anonymous:":
+                    return int(fields[1]) == 0
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
+def drop_read_pages(tensor: torch.Tensor) -> None:
+    """Hand back the whole pages under a contiguous slice of a tensor that unmodified_file_mapping said is mapped
+    from a file. Nothing happens without glibc's madvise."""
+    libc = glibc()
+    if libc is None or not hasattr(libc, "madvise") or not tensor.is_contiguous():
+        return
+    import ctypes
+
+    page = mmap.PAGESIZE
+    start = -(-tensor.data_ptr() // page) * page  # whole pages inside the slice only: neighbours keep theirs
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+    if end > start:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)

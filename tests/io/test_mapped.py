@@ -1,0 +1,50 @@
+"""Pages of a memory-mapped shard leave resident memory once read, and nothing else is ever given back."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from collab_convert.io.mapped import drop_read_pages, unmodified_file_mapping
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+
+
+def resident_file_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssFile:"))
+
+
+@pytest.fixture
+def mapped_weight(tmp_path):
+    torch.manual_seed(0)
+    save_file({"weight": torch.randn(4096, 512)}, tmp_path / "shard.safetensors")  # 8 MB
+    return safe_open(str(tmp_path / "shard.safetensors"), framework="pt").get_tensor("weight")
+
+
+def test_a_read_weights_pages_leave_and_its_values_stay(mapped_weight):
+    expected = mapped_weight.clone()
+    assert unmodified_file_mapping(mapped_weight)
+    float(mapped_weight.sum())  # every page touched
+    touched = resident_file_bytes()
+    drop_read_pages(mapped_weight)
+    assert touched - resident_file_bytes() > 0.9 * mapped_weight.numel() * mapped_weight.element_size()
+    assert torch.equal(mapped_weight, expected)  # read again from the page cache
+
+
+def test_only_the_pages_wholly_inside_a_slice_go(mapped_weight):
+    expected = mapped_weight.clone()
+    for rows in (slice(0, 3), slice(3, 1000), slice(1000, None)):  # slices that end mid-page
+        drop_read_pages(mapped_weight[rows])
+    assert torch.equal(mapped_weight, expected)
+
+
+def test_memory_that_is_not_an_unwritten_file_mapping_does_not_qualify(mapped_weight):
+    assert not unmodified_file_mapping(torch.randn(4096, 512))  # anonymous: dropping it would zero it
+    assert not unmodified_file_mapping(mapped_weight.clone())
+    mapped_weight[0, 0] = 1.0  # a private copy of that page now: dropping it would bring the file's bytes back
+    assert not unmodified_file_mapping(mapped_weight)
