@@ -15,6 +15,9 @@ import torch
 
 from ..errors import BadInputError, first_line
 from .headers import SAFETENSORS_DTYPES, TensorSpec, check_safetensors_header
+from .mapped import drop_read_pages, unmodified_file_mapping
+
+COPIED_FROM_BYTES = 1 << 20  # tensors this large are copied off their shard's mapping, whose pages then go
 
 
 class TensorReader:
@@ -32,6 +35,7 @@ class TensorReader:
         self._open: dict[Path, Any] = {}
         self._bin_cache: dict[Path, dict[str, torch.Tensor]] = {}
         self._layout: dict[Path, tuple[int, dict]] = {}  # safetensors: where the data starts, and each entry
+        self._unwritten: dict[Path, bool] = {}  # whether an open shard's mapping qualifies for dropping pages
         files = self._weight_files(folder)
         for file in files:
             for key in self._names_in(file):
@@ -119,12 +123,30 @@ class TensorReader:
         file, key = self._location[name], self._key[name]
         try:
             if file.suffix == ".safetensors":
-                return self._handle(file).get_tensor(key)
+                return self._off_the_mapping(file, self._handle(file).get_tensor(key))
             return self._load_bin(file)[key]
         except BadInputError:
             raise
         except Exception as error:  # noqa: BLE001 - truncated files fail here, not at open
             raise BadInputError(f"tensor {name} in {file.name} could not be read: {error}") from None
+
+    def _off_the_mapping(self, file: Path, tensor: torch.Tensor) -> torch.Tensor:
+        """A large tensor copied off its shard's mapping, whose pages then leave resident memory (io/mapped.py):
+        the weights a loop over the layers has read do not pile up while their shard stays mapped (a 5 GB shard
+        holds many layers). The copy lives as long as the caller holds it. Whether the mapping qualifies is asked
+        once per opened shard: callers only ever get copies of its large tensors, so none of their pages is
+        written afterwards."""
+        if tensor.numel() * tensor.element_size() < COPIED_FROM_BYTES:
+            return tensor
+        with self._lock:
+            if file not in self._unwritten:
+                self._unwritten[file] = unmodified_file_mapping(tensor)
+            qualifies = self._unwritten[file]
+        if not qualifies:
+            return tensor
+        copy = tensor.clone()
+        drop_read_pages(tensor)
+        return copy
 
     def byte_range(self, name: str) -> tuple[Path, int, int] | None:
         """(file, start, end) of a tensor's bytes in a safetensors file, for copying it through unchanged
@@ -154,10 +176,12 @@ class TensorReader:
         with self._lock:
             for file in [f for f in self._open if f != keep]:
                 del self._open[file]
+                self._unwritten.pop(file, None)
 
     def close(self) -> None:
         with self._lock:
             self._open.clear()
+            self._unwritten.clear()
             self._bin_cache.clear()
 
 

@@ -48,3 +48,23 @@ def test_memory_that_is_not_an_unwritten_file_mapping_does_not_qualify(mapped_we
     assert not unmodified_file_mapping(mapped_weight.clone())
     mapped_weight[0, 0] = 1.0  # a private copy of that page now: dropping it would bring the file's bytes back
     assert not unmodified_file_mapping(mapped_weight)
+
+
+def test_the_reader_hands_out_large_tensors_off_the_mapping(tmp_path):
+    """What a loop over the layers reads does not stay resident while its shard stays mapped: a large tensor comes
+    back as a copy of the file's values, its pages in the mapping handed back; small ones stay views."""
+    from collab_convert.io.reader import TensorReader
+
+    torch.manual_seed(0)
+    weights = {"large": torch.randn(4096, 512), "small": torch.randn(16, 16)}
+    save_file(weights, tmp_path / "model.safetensors")
+    reader = TensorReader(tmp_path)
+    try:
+        before = resident_file_bytes()
+        large = reader.get("large")
+        assert torch.equal(large, weights["large"])
+        assert not unmodified_file_mapping(large)  # a copy in anonymous memory
+        assert resident_file_bytes() - before < 0.25 * large.numel() * large.element_size()
+        assert unmodified_file_mapping(reader.get("small"))
+    finally:
+        reader.close()
