@@ -19,29 +19,35 @@ def unmodified_file_mapping(tensor: torch.Tensor) -> bool:
     """Whether all of the tensor's bytes lie in one mapping of a file none of whose pages this process has written
     (/proc/self/smaps, Linux). safetensors maps shards private and writable: a page written there would be a private
     copy, and dropping it would bring the file's bytes back, so a mapping with any such page does not qualify."""
+    return unwritten_file_mapping(tensor) is not None
+
+
+def unwritten_file_mapping(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """The address range of the unwritten file mapping that holds all of the tensor's bytes (see
+    unmodified_file_mapping), or None."""
     if tensor.device.type != "cpu" or not tensor.numel():
-        return False
+        return None
     start = tensor.untyped_storage().data_ptr()
     end = start + tensor.untyped_storage().nbytes()
-    inside = False
+    found = None
     try:
         with open("/proc/self/smaps", encoding="utf-8", errors="replace") as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)
                 if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's first line
-                    if inside:
-                        return False  # its block ended without an Anonymous line
+                    if found is not None:
+                        return None  # its block ended without an Anonymous line
                     low, high = (int(value, 16) for value in fields[0].split("-"))
                     if low <= start < high:
                         path = fields[5].strip() if len(fields) == 6 else ""
                         if end > high or fields[1][0] != "r" or not path.startswith("/"):
-                            return False
-                        inside = True
-                elif inside and fields[0] == "Anonymous:":
-                    return int(fields[1]) == 0
+                            return None
+                        found = (low, high)
+                elif found is not None and fields[0] == "Anonymous:":
+                    return found if int(fields[1]) == 0 else None
     except (OSError, ValueError, IndexError):
-        return False
-    return False
+        return None
+    return None
 
 
 def drop_read_pages(tensor: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import BadInputError, first_line
 from .headers import SAFETENSORS_DTYPES, TensorSpec, check_safetensors_header
-from .mapped import drop_read_pages, unmodified_file_mapping
+from .mapped import drop_read_pages, unwritten_file_mapping
 
 COPIED_FROM_BYTES = 1 << 20  # tensors this large are copied off their shard's mapping, whose pages then go
 
@@ -35,7 +35,7 @@ class TensorReader:
         self._open: dict[Path, Any] = {}
         self._bin_cache: dict[Path, dict[str, torch.Tensor]] = {}
         self._layout: dict[Path, tuple[int, dict]] = {}  # safetensors: where the data starts, and each entry
-        self._unwritten: dict[Path, bool] = {}  # whether an open shard's mapping qualifies for dropping pages
+        self._unwritten: dict[Path, tuple | None] = {}  # an open shard's mapping, where it qualifies (mapped.py)
         files = self._weight_files(folder)
         for file in files:
             for key in self._names_in(file):
@@ -135,14 +135,16 @@ class TensorReader:
         the weights a loop over the layers has read do not pile up while their shard stays mapped (a 5 GB shard
         holds many layers). The copy lives as long as the caller holds it. Whether the mapping qualifies is asked
         once per opened shard: callers only ever get copies of its large tensors, so none of their pages is
-        written afterwards."""
-        if tensor.numel() * tensor.element_size() < COPIED_FROM_BYTES:
+        written afterwards; each tensor must lie inside that mapping."""
+        size = tensor.numel() * tensor.element_size()
+        if size < COPIED_FROM_BYTES:
             return tensor
         with self._lock:
             if file not in self._unwritten:
-                self._unwritten[file] = unmodified_file_mapping(tensor)
-            qualifies = self._unwritten[file]
-        if not qualifies:
+                self._unwritten[file] = unwritten_file_mapping(tensor)
+            mapping = self._unwritten[file]
+        # only a view into that mapping (a tensor safetensors copied elsewhere, to align it, is left as it is)
+        if mapping is None or not mapping[0] <= tensor.data_ptr() <= mapping[1] - size:
             return tensor
         copy = tensor.clone()
         drop_read_pages(tensor)

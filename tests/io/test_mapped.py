@@ -68,3 +68,28 @@ def test_the_reader_hands_out_large_tensors_off_the_mapping(tmp_path):
         assert unmodified_file_mapping(reader.get("small"))
     finally:
         reader.close()
+
+
+def test_the_reader_leaves_alone_a_tensor_that_is_not_a_view_of_the_mapping(tmp_path):
+    """safetensors may copy a tensor (to align it): that copy is handed out as it is, and its pages are never given
+    back (anonymous memory given back reads as zeros), even once the shard's mapping has qualified."""
+    from collab_convert.io.reader import TensorReader
+
+    torch.manual_seed(0)
+    weights = {"first": torch.randn(1024, 512), "second": torch.randn(1024, 512)}
+    save_file(weights, tmp_path / "model.safetensors")
+    reader = TensorReader(tmp_path)
+    try:
+        assert torch.equal(reader.get("first"), weights["first"])  # the mapping qualifies now
+        handle = reader._handle(reader._location["second"])
+        copied = handle.get_tensor("second").clone()
+
+        class Copying:  # a handle whose tensor comes back as a copy in anonymous memory
+            def get_tensor(self, key):
+                return copied
+
+        reader._open[reader._location["second"]] = Copying()
+        second = reader.get("second")
+        assert second is copied and torch.equal(second, weights["second"])
+    finally:
+        reader.close()
