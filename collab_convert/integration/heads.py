@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..devices import training_products
-from ..io.mapped import drop_read_pages, unmodified_file_mapping
+from ..io.mapped import drop_read_pages, unwritten_file_mapping
 
 SLICE_ROWS = 4096  # output rows of a head converted to float32 at a time: 16 MB at a width of 1024
 
@@ -30,7 +30,7 @@ def float32_in_slices(linear: nn.Linear) -> None:
         converted = hidden.new_empty(min(SLICE_ROWS, weight.shape[0]), weight.shape[1])
         # a weight read straight from its shard's mapping (an offloaded head) would hold every page of it in
         # resident memory until the call ends (103 MB for GPT-2's head): each slice's pages go once converted
-        mapped = unmodified_file_mapping(weight)
+        mapped = unwritten_file_mapping(weight) is not None
         with _bfloat16_products(exact):
             for start in range(0, weight.shape[0], SLICE_ROWS):
                 rows = slice(start, start + SLICE_ROWS)

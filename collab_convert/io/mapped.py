@@ -15,16 +15,11 @@ from ..cpu import glibc
 _MADV_DONTNEED = 4  # Linux: drop the range's pages from this process (a file mapping's are read again on touch)
 
 
-def unmodified_file_mapping(tensor: torch.Tensor) -> bool:
-    """Whether all of the tensor's bytes lie in one mapping of a file none of whose pages this process has written
-    (/proc/self/smaps, Linux). safetensors maps shards private and writable: a page written there would be a private
-    copy, and dropping it would bring the file's bytes back, so a mapping with any such page does not qualify."""
-    return unwritten_file_mapping(tensor) is not None
-
-
 def unwritten_file_mapping(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """The address range of the unwritten file mapping that holds all of the tensor's bytes (see
-    unmodified_file_mapping), or None."""
+    """The address range of the one mapping of a file that holds all of the tensor's bytes, where this process has
+    written none of its pages (/proc/self/smaps, Linux); else None. safetensors maps shards private and writable: a
+    page written there would be a private copy, and dropping it would bring the file's bytes back, so a mapping with
+    any such page does not qualify."""
     if tensor.device.type != "cpu" or not tensor.numel():
         return None
     start = tensor.untyped_storage().data_ptr()
@@ -51,8 +46,8 @@ def unwritten_file_mapping(tensor: torch.Tensor) -> tuple[int, int] | None:
 
 
 def drop_read_pages(tensor: torch.Tensor) -> None:
-    """Hand back the whole pages under a contiguous slice of a tensor that unmodified_file_mapping said is mapped
-    from a file. Nothing happens without glibc's madvise."""
+    """Hand back the whole pages under a contiguous slice of a tensor that unwritten_file_mapping found in a file
+    mapping. Nothing happens without glibc's madvise."""
     libc = glibc()
     if libc is None or not hasattr(libc, "madvise") or not tensor.is_contiguous():
         return

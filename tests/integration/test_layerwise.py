@@ -308,6 +308,7 @@ def test_a_head_read_from_its_shard_leaves_its_pages_as_it_converts_them(tmp_pat
     from safetensors.torch import save_file
 
     from collab_convert.integration import heads
+    from fixtures.resident import resident_file_bytes
 
     torch.manual_seed(0)
     save_file({"weight": torch.randn(8192, 256).to(torch.bfloat16)}, tmp_path / "head.safetensors")  # 4 MB
@@ -318,10 +319,6 @@ def test_a_head_read_from_its_shard_leaves_its_pages_as_it_converts_them(tmp_pat
     for linear in (head, in_memory):
         heads.float32_in_slices(linear)
     hidden = torch.randn(1, 4, 256).to(torch.bfloat16)
-
-    def resident_file_bytes() -> int:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssFile:"))
 
     head(hidden)  # once first: the code pages its products touch the first time are resident after it
     float(mapped.float().sum())  # every page of the weight resident, as a plain read would leave it

@@ -9,14 +9,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from collab_convert.io.mapped import drop_read_pages, unmodified_file_mapping
+from collab_convert.io.mapped import drop_read_pages, unwritten_file_mapping
+from fixtures.resident import resident_file_bytes
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
-
-
-def resident_file_bytes() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssFile:"))
 
 
 @pytest.fixture
@@ -28,7 +24,7 @@ def mapped_weight(tmp_path):
 
 def test_a_read_weights_pages_leave_and_its_values_stay(mapped_weight):
     expected = mapped_weight.clone()
-    assert unmodified_file_mapping(mapped_weight)
+    assert unwritten_file_mapping(mapped_weight) is not None
     float(mapped_weight.sum())  # every page touched
     touched = resident_file_bytes()
     drop_read_pages(mapped_weight)
@@ -44,10 +40,10 @@ def test_only_the_pages_wholly_inside_a_slice_go(mapped_weight):
 
 
 def test_memory_that_is_not_an_unwritten_file_mapping_does_not_qualify(mapped_weight):
-    assert not unmodified_file_mapping(torch.randn(4096, 512))  # anonymous: dropping it would zero it
-    assert not unmodified_file_mapping(mapped_weight.clone())
+    assert unwritten_file_mapping(torch.randn(4096, 512)) is None  # anonymous: dropping it would zero it
+    assert unwritten_file_mapping(mapped_weight.clone()) is None
     mapped_weight[0, 0] = 1.0  # a private copy of that page now: dropping it would bring the file's bytes back
-    assert not unmodified_file_mapping(mapped_weight)
+    assert unwritten_file_mapping(mapped_weight) is None
 
 
 def test_the_reader_hands_out_large_tensors_off_the_mapping(tmp_path):
@@ -63,9 +59,9 @@ def test_the_reader_hands_out_large_tensors_off_the_mapping(tmp_path):
         before = resident_file_bytes()
         large = reader.get("large")
         assert torch.equal(large, weights["large"])
-        assert not unmodified_file_mapping(large)  # a copy in anonymous memory
+        assert unwritten_file_mapping(large) is None  # a copy in anonymous memory
         assert resident_file_bytes() - before < 0.25 * large.numel() * large.element_size()
-        assert unmodified_file_mapping(reader.get("small"))
+        assert unwritten_file_mapping(reader.get("small")) is not None
     finally:
         reader.close()
 
