@@ -118,9 +118,10 @@ def test_refined_layers_show_refining_layer_by_layer(tmp_path):
     assert result.stage_seconds["refining"] > 0 and "fitting" not in result.stage_seconds
 
 
-def test_each_form_refines_its_own_default_number_of_steps(tiny_bert, tmp_path):
-    """--refine-steps left out: 160 for the shared-key and multi-query forms, 200 for the collaborative form, each
-    the count measured to pay for that form (docs/benchmarks.md); given, it is what the user asked for."""
+def test_each_form_refines_its_own_default_number_of_steps(tiny_bert, tmp_path, monkeypatch):
+    """--refine-steps left out: each form's own count, measured to pay for that form (docs/benchmarks.md): 200 for
+    the shared-key form (steps of 4 sequences) and the collaborative form, 160 for the multi-query form (steps of
+    8); given, it is what the user asked for."""
     from collab_convert import CompressOptions, compress
     from fixtures.models import save_tiny_tokenizer
 
@@ -130,10 +131,18 @@ def test_each_form_refines_its_own_default_number_of_steps(tiny_bert, tmp_path):
     texts = tmp_path / "texts.txt"
     texts.write_text("\n".join(f"the {w} was on the {v}" for w in "abcdef" for v in "ghij") + "\n")
     settings = {"output": tmp_path / "out", "threads": 1, "plots": False, "calibration": texts, "overwrite": True}
-    for budget in ({"key_cache": 0.5}, {"kv_cache": 0.5}):
+    from collab_convert.decompose import shared_key_refinement
+
+    drawn, refine = [], shared_key_refinement.refine_shared_key
+    monkeypatch.setattr(shared_key_refinement, "refine_shared_key",
+                        lambda *args, **kwargs: drawn.append(kwargs["batch_sequences"]) or refine(*args, **kwargs))
+    for budget, steps, sequences in (({"key_cache": 0.5}, 200, 4), ({"kv_cache": 0.5}, 160, 8)):
+        drawn.clear()
         result = compress(str(decoder), CompressOptions(**budget, **settings))
-        assert "up to 160 Adam steps per layer" in result.calibration["refinement"]
-        assert all(0 < layer.refinement["steps"] <= 160 for layer in result.layers)
+        assert f"up to {steps} Adam steps per layer" in result.calibration["refinement"]
+        assert f"each on {sequences} of" in result.calibration["refinement"]
+        assert all(0 < layer.refinement["steps"] <= steps for layer in result.layers)
+        assert drawn and set(drawn) == {sequences}  # what the report says is what the steps draw
     asked = compress(str(decoder), CompressOptions(key_cache=0.5, refine_steps=40, **settings))
     assert "up to 40 Adam steps per layer" in asked.calibration["refinement"]
     encoder = compress(str(tiny_bert), CompressOptions(rank=8, **settings))

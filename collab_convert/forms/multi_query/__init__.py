@@ -38,7 +38,7 @@ class MultiQueryForm(Form):
     name = MULTI_QUERY_FORM
     format_version = 0  # a stock checkpoint: no record of ours to load it by
     report_type = MultiQueryLayerReport
-    refine_steps = 160  # as the shared-key form's, whose refinement it runs
+    refine_steps = 160  # of 8 sequences each (statistics.STEP_SEQUENCES)
     presentation = presentation
     terms = Terms(parameters="attention parameters (query, key, value and output projections)",
                   parameters_short="attention params", parameters_line="Attention parameters",

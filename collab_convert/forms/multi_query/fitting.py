@@ -27,6 +27,7 @@ from ...results import MultiQueryLayerReport, rounded
 from ...streaming import fit_workers, layer_labels, stream_weights
 from ..shared_key.fitting import score_shares, shape_of
 from ..shared_key.statistics import geometry_of
+from .statistics import STEP_SEQUENCES
 
 
 def key_profile(source: SourceModel, statistics: Mapping, width: int) -> KeyRanks:
@@ -75,7 +76,7 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, width: int, profile: 
         with reused_heap(keep_top=True):  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
             refined = refine_shared_key(record.samples, factors, geometry, record.setting, steps=options.refine_steps,
                                         seed=options.seed, device=options.device, values=latent,
-                                        consume=True)
+                                        consume=True, batch_sequences=STEP_SEQUENCES)
         factors, latent = refined.factors, refined.values
         refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
                       "objective": refined.objective, "loss_before": refined.loss_before,

@@ -32,7 +32,7 @@ class SharedKeyForm(Form):
     name = SHARED_KEY_FORM
     format_version = 2
     report_type = SharedKeyLayerReport
-    refine_steps = 160  # with the steps averaged, 160 matched 200 unaveraged on SmolLM2 (docs/benchmarks.md)
+    refine_steps = 200  # of 4 sequences each (statistics.STEP_SEQUENCES): 160 of 8 took 12-15% longer
     presentation = presentation
 
     def plan(self, source: SourceModel, options: CompressOptions) -> FormPlan:

@@ -34,7 +34,7 @@ from ...options import CompressOptions
 from ...progress import DETAIL, Progress
 from ...results import SharedKeyLayerReport, rounded
 from ...streaming import fit_workers, layer_labels, stream_weights
-from .statistics import geometry_of, key_norm
+from .statistics import STEP_SEQUENCES, geometry_of, key_norm
 
 
 def layer_width(source: SourceModel, options: CompressOptions) -> int:
@@ -148,7 +148,7 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, stat
         with reused_heap(keep_top=True):  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
             refined = refine_shared_key(calibration.samples, factors, geometry_of(layer), calibration.setting,
                                         steps=options.refine_steps, seed=options.seed, device=options.device,
-                                        consume=True)
+                                        consume=True, batch_sequences=STEP_SEQUENCES)
         factors = refined.factors
         refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
                       "objective": refined.objective, "loss_before": refined.loss_before,
