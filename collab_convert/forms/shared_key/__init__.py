@@ -32,7 +32,7 @@ class SharedKeyForm(Form):
     name = SHARED_KEY_FORM
     format_version = 2
     report_type = SharedKeyLayerReport
-    refine_steps = 200  # of 4 sequences each (statistics.STEP_SEQUENCES): 160 of 8 took 12-15% longer
+    refine_steps = 200  # of 4 sequences each (statistics.STEP_SEQUENCES): 160 of 8 took 12-20% longer
     presentation = presentation
 
     def plan(self, source: SourceModel, options: CompressOptions) -> FormPlan:

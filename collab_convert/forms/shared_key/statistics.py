@@ -117,9 +117,9 @@ def _normalised(tokens: torch.Tensor, scale: torch.Tensor | None, over_heads: bo
 
 SHARED_KEY_REFINE_SAMPLES = 64  # raw sequences kept per layer for refinement (float16 queries and keys)
 # Of them, the sequences a refinement step draws. Steps of 4 (200 of them, the form's default) reached the held-out
-# error of 160 steps of 8 in 12-15% less time on SmolLM2's layers at 50% and 75% of the key cache; the multi-query
-# form, whose steps refine the value latent too, keeps 8 (its own STEP_SEQUENCES; docs/benchmarks.md, "Smaller
-# refinement steps").
+# error of 160 steps of 8 in 12-20% less time on SmolLM2's layers at 50% and 75% of the key cache; the multi-query
+# form, whose steps refine the value latent too, keeps 8 (its own STEP_SEQUENCES). docs/benchmarks.md, "Smaller
+# shared-key refinement steps".
 STEP_SEQUENCES = 4
 
 
