@@ -141,6 +141,8 @@ def test_each_form_refines_its_own_default_number_of_steps(tiny_bert, tmp_path, 
         result = compress(str(decoder), CompressOptions(**budget, **settings))
         assert f"up to {steps} Adam steps per layer" in result.calibration["refinement"]
         assert f"each on {sequences} of" in result.calibration["refinement"]
+        assert "32 query positions in each" in result.calibration["refinement"]
+        assert "checked every 40 steps" in result.calibration["refinement"]
         assert all(0 < layer.refinement["steps"] <= steps for layer in result.layers)
         assert drawn and set(drawn) == {sequences}  # what the report says is what the steps draw
     asked = compress(str(decoder), CompressOptions(key_cache=0.5, refine_steps=40, **settings))

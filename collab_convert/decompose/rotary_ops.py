@@ -64,3 +64,13 @@ def query_basis_matrix(query_core: torch.Tensor, pass_core: torch.Tensor, slot_f
     if pass_core.shape[-1]:
         matrix[:, rotary_dim:, 2 * width:] = pass_core
     return matrix
+
+
+def slot_coordinates(queries: torch.Tensor, slots: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """Rotated queries (..., d) at each slot's frequency, (..., 2W + p): the real parts, the imaginary parts, then
+    the pass-through dimensions: what a head's complex core per slot multiplies."""
+    if not rotary_dim:  # absolute positions: every dimension passes through, in order
+        return queries
+    half = rotary_dim // 2
+    rest = torch.arange(rotary_dim, queries.shape[-1], device=slots.device)
+    return queries.index_select(-1, torch.cat([slots, half + slots, rest]).to(queries.device))

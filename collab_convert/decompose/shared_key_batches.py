@@ -15,7 +15,8 @@ import torch
 
 from ..devices import HOST, Device, moved
 from .refinement import MASKED
-from .rotary_ops import rotate_half_dims, rotate_slots
+from .quadratic_error import QuadraticError, QuadraticTargets, quadratic_pays
+from .rotary_ops import rotate_half_dims, rotate_slots, slot_coordinates
 from .shared_key import HeadGeometry
 
 
@@ -56,10 +57,11 @@ class StackedSequences:
 
     def __init__(self, samples: list[SharedKeySample], geometry: HeadGeometry, setting: AttentionSetting,
                  slots: torch.Tensor, device: Device = HOST, targets: bool = False,
-                 products: torch.dtype = torch.float32, consume: bool = False):
-        """`consume`: each sample's tensors are let go once stacked (the samples are not read again), so the
-        calibration record and its stacked copy are not both held while the steps run."""
-        self.geometry, self.setting, self.slots = geometry, setting, slots
+                 products: torch.dtype = torch.float32, consume: bool = False, for_steps: bool = False):
+        """`consume`: each sample's tensors are let go once stacked (not read again), so the calibration record
+        and its stacked copy are not both held. `for_steps`: for Adam's steps, which read the gradient, not the
+        loss (QuadraticError)."""
+        self.geometry, self.setting, self.slots, self.quadratic = geometry, setting, slots, None
         # queries and keys may differ in length (encoder-decoder attention reads another sequence's keys)
         self.query_lengths = torch.tensor([sample.queries.shape[0] for sample in samples], device=device)
         self.key_lengths = torch.tensor([sample.keys.shape[0] for sample in samples], device=device)
@@ -101,7 +103,10 @@ class StackedSequences:
             with torch.no_grad():  # in float32, as every check's target; one problem's attention held at a time
                 self.target_output = torch.cat([problem.target_output for problem in self.each_problem(2)])
             self.queries = None
-        if self.target_output is not None and products != torch.float32:
+        self.quadratic = QuadraticTargets.of(self.target_output, setting.output_weight, products) if (
+            self.target_output is not None and for_steps and quadratic_pays(setting.output_weight)) else None
+        self.target_output = None if self.quadratic is not None else self.target_output  # now in the quadratic's
+        if (self.target_output is not None or self.quadratic is not None) and products != torch.float32:
             # with targets known, keys, values and output projection are only operands: kept in the products' dtype
             self.keys, self.values = self.keys.to(products), self.values.to(products)
             self.setting = replace(setting, output_weight=setting.output_weight.to(products))
@@ -152,10 +157,11 @@ class StackedSequences:
         # elementwise products stay in float32
         target = gathered(self.target_output).float() if self.target_output is not None else None
         queries = gathered(self.queries).transpose(1, 2) if self.queries is not None else None
+        quadratic = self.quadratic.gathered(gathered) if self.quadratic is not None else None
         return AttentionProblem(queries, self.keys[:, :length].index_select(0, chosen),
                                 self.values[:, :length].index_select(0, chosen) if self.values is not None else None,
                                 positions, row_valid, key_valid, self.geometry, self.setting, self.slots, products,
-                                target, gathered(self.slot_queries).float().transpose(1, 2))
+                                target, gathered(self.slot_queries).float().transpose(1, 2), quadratic)
 
     def problems(self, size: int = 8) -> list[AttentionProblem]:
         """Every sequence at every position, `size` sequences a problem."""
@@ -177,10 +183,11 @@ class AttentionProblem:
     def __init__(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None,
                  positions: torch.Tensor, row_valid: torch.Tensor, key_valid: torch.Tensor, geometry: HeadGeometry,
                  setting: AttentionSetting, slots: torch.Tensor, products: torch.dtype = torch.float32,
-                 target_output: torch.Tensor | None = None, slot_queries: torch.Tensor | None = None):
-        """`queries` (B, H, rows, d) turned by RoPE at `positions` (None where `target_output` is given: the
-        original attention is not needed); `keys` and `values` (B, m, G, d) before it; `target_output` the
-        original attention's output at those rows, where already known; `slot_queries` the queries'
+                 target_output: torch.Tensor | None = None, slot_queries: torch.Tensor | None = None,
+                 quadratic: QuadraticTargets | None = None):
+        """`queries` (B, H, rows, d) turned by RoPE at `positions` (None where targets are given); `keys` and
+        `values` (B, m, G, d) before it; `target_output` the original attention's output at those rows, or
+        `quadratic` what a step's error needs of it (QuadraticError), where known; `slot_queries` the queries'
         slot_coordinates, where already gathered."""
         self.geometry, self.setting, self.slots = geometry, setting, slots
         self.products = products  # the dtype of the products that depend on the parameters (the target: float32)
@@ -205,14 +212,18 @@ class AttentionProblem:
         self.rows = row_valid
         self.valid = row_valid[:, None, :].expand(-1, geometry.num_heads, -1)
         self.values = self.stacked_values = None
+        self.quadratic = quadratic if values is not None else None
         if values is not None and setting.output_weight is not None:
             self.values = values.transpose(1, 2)  # (B, G, m, d): a group's heads read them in one product
             self.stacked_values = values.flatten(2)  # (B, m, G d): what a value latent reads
-            if target_output is None:
-                with torch.no_grad():
-                    target_output = self._output(self.target_p, products=torch.float32)
-            self.target_output = target_output
-            self.output_energy = float(((target_output**2).sum(-1) * self.rows).sum())
+            if quadratic is not None:
+                self.target_output, self.output_energy = None, float((quadratic.energy * self.rows).sum())
+            else:
+                if target_output is None:
+                    with torch.no_grad():
+                        target_output = self._output(self.target_p, products=torch.float32)
+                self.target_output = target_output
+                self.output_energy = float(((target_output**2).sum(-1) * self.rows).sum())
 
     @cached_property
     def _target_scores(self) -> torch.Tensor:
@@ -243,10 +254,15 @@ class AttentionProblem:
 
     def _output(self, probabilities: torch.Tensor, down: torch.Tensor | None = None,
                 up: torch.Tensor | None = None, products: torch.dtype | None = None) -> torch.Tensor:
-        """The layer's output (B, rows, D) in the products' dtype; with a value latent, every head averages the
-        latent and reads its group's values back through `up`. Its products run in `products` (None: the
+        """The layer's output (B, rows, D) in the products' dtype, its products in `products` (None: the
         problem's own)."""
         dtype = products or self.products  # (no row is all -inf: the mask is finite, MASKED)
+        return self._product(self._read(probabilities, down, up, dtype), self.setting.output_weight.T, dtype)
+
+    def _read(self, probabilities: torch.Tensor, down: torch.Tensor | None, up: torch.Tensor | None,
+              dtype: torch.dtype) -> torch.Tensor:
+        """What the heads read, side by side (B, rows, H d): the output projection's input. With a value latent,
+        every head averages the latent and reads its group's values back through `up`."""
 
         def product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
             return self._product(left, right, dtype)
@@ -263,7 +279,7 @@ class AttentionProblem:
             averaged = product(probabilities.reshape(size, heads * rows, length), latent)  # (B, H rows, W)
             averaged = averaged.view(size, heads, rows, -1).transpose(0, 1).reshape(heads, size * rows, -1)
             read = product(averaged, up.transpose(-1, -2)).view(heads, size, rows, -1).permute(1, 2, 0, 3)
-        return product(read.flatten(2), self.setting.output_weight.T)
+        return read.flatten(2)
 
     def _product(self, left: torch.Tensor, right: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """left @ right in `dtype` (None: the problem's products), the result left in it: each product's result is
@@ -319,16 +335,9 @@ class AttentionProblem:
 
     def output_error(self, probabilities: torch.Tensor, down=None, up=None) -> torch.Tensor:
         """The squared error of the layer's output from these attention probabilities, summed over the rows."""
+        if self.quadratic is not None:  # for Adam's steps: the gradient for one product with the projection
+            read, quadratic = self._read(probabilities, down, up, self.products), self.quadratic
+            return QuadraticError.apply(read, quadratic.gram, quadratic.back, self.rows) + self.output_energy
         error = ((self._output(probabilities, down, up) - self.target_output) ** 2).sum(-1)
         # a product with the rows' 0/1 weights, not a boolean index: that gathers, and its backward scatters
         return (error * self.rows).sum()
-
-
-def slot_coordinates(queries: torch.Tensor, slots: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    """Rotated queries (..., d) at each slot's frequency, (..., 2W + p): the real parts, the imaginary parts, then
-    the pass-through dimensions: what a head's complex core per slot multiplies."""
-    if not rotary_dim:  # absolute positions: every dimension passes through, in order
-        return queries
-    half = rotary_dim // 2
-    rest = torch.arange(rotary_dim, queries.shape[-1], device=slots.device)
-    return queries.index_select(-1, torch.cat([slots, half + slots, rest]).to(queries.device))

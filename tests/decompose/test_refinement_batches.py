@@ -6,6 +6,7 @@ import torch
 
 from collab_convert.decompose.rotary_ops import rotate_half_dims
 from collab_convert.decompose.shared_key import HeadGeometry, KeyRanks, fit_shared_key, slot_frequencies, statistics_of
+from collab_convert.decompose.quadratic_error import QuadraticError, QuadraticTargets
 from collab_convert.decompose.shared_key_batches import AttentionSetting, SharedKeySample, StackedSequences
 
 GEOMETRY = HeadGeometry(num_heads=6, kv_heads=2, head_dim=8, rotary_dim=8)
@@ -237,3 +238,62 @@ def test_a_refinement_that_consumes_its_samples_refines_as_one_that_keeps_them()
         kept, consumed = results
         assert kept.loss_after == consumed.loss_after and kept.steps == consumed.steps
         assert torch.equal(kept.factors.query_core, consumed.factors.query_core)
+
+
+def test_the_quadratic_error_has_the_plain_errors_value_and_gradient():
+    """|R W^T - T|^2 = R.(R G - 2 T W) + |T|^2 with G = W^T W, and its gradient is 2 (R G - T W): the value and
+    the gradient of the plain error, in float64 exactly, with padded rows weighing nothing."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(40, 32, generator=generator, dtype=torch.float64)
+    target = torch.randn(3, 7, 40, generator=generator, dtype=torch.float64)
+    rows = torch.rand(3, 7, generator=generator) > 0.3
+    targets = QuadraticTargets.of(target, weight, torch.float64)
+    read = torch.randn(3, 7, 32, generator=generator, dtype=torch.float64, requires_grad=True)
+    plain = (((read @ weight.T - target) ** 2).sum(-1) * rows).sum()
+    (plain_gradient,) = torch.autograd.grad(plain, read)
+    quadratic = QuadraticError.apply(read, targets.gram, targets.back, rows) + (targets.energy * rows).sum()
+    (quadratic_gradient,) = torch.autograd.grad(quadratic, read)
+    assert torch.isclose(quadratic, plain, rtol=1e-10)
+    assert torch.allclose(quadratic_gradient, plain_gradient, rtol=1e-10, atol=1e-12)
+    assert float(quadratic_gradient[~rows].abs().max()) == 0.0
+
+
+def test_steps_take_the_quadratic_error_where_the_heads_are_no_wider_than_the_model():
+    """Adam's steps (for_steps) read T W and |T|^2 instead of the targets and get the plain loss's gradient with
+    respect to every parameter; where the output projection is narrower than the heads (D < H d, Gemma's shape)
+    the plain error stays, as it is the cheaper there; the held-out checks' rows keep the plain error."""
+    samples, setting, factors = sequences_and_setting(seed=6)
+    chosen, picks = torch.tensor([2, 0, 5]), [torch.tensor([1, 6, 19]), torch.tensor([0, 23]), torch.tensor([11])]
+    slots = slot_frequencies(factors.ranks)
+    assert StackedSequences(samples, GEOMETRY, setting, slots, targets=True, for_steps=True).quadratic is None
+    setting.output_weight = torch.randn(64, 48, generator=torch.Generator().manual_seed(7))
+    losses, gradients = [], []
+    for for_steps in (False, True):
+        stacked = StackedSequences(samples, GEOMETRY, setting, slots, targets=True, for_steps=for_steps)
+        assert (stacked.quadratic is not None) == for_steps and (stacked.target_output is None) == for_steps
+        parameters = [t.float().clone().requires_grad_(True)
+                      for t in (factors.key_mixing, factors.query_core, factors.pass_core)]
+        loss, norm = stacked.problem(chosen, rows_of(picks)).loss(*parameters)
+        losses.append((float(loss.detach()), norm))
+        gradients.append(torch.autograd.grad(loss, parameters[:2]))
+    (plain, plain_norm), (quadratic, quadratic_norm) = losses
+    assert abs(quadratic - plain) < 1e-4 * plain_norm and abs(quadratic_norm - plain_norm) < 1e-4 * plain_norm
+    for expected, got in zip(*gradients):
+        assert torch.allclose(got, expected, rtol=1e-3, atol=1e-4 * float(expected.abs().max()))
+
+
+def test_a_shared_key_refinement_checks_its_held_out_sequences_every_forty_steps(monkeypatch):
+    """The held-out curves still fall at the last step, so checks every 40 steps keep the same state as every 20
+    at half the checks' cost; the last step is always checked."""
+    from collab_convert.decompose import held_out_adam, shared_key_refinement
+
+    samples, setting, factors = sequences_and_setting(seed=8)
+    samples = samples + [SharedKeySample(s.queries, s.keys, s.values) for s in samples]  # 12: one held out
+    checked, adam = [], held_out_adam.adam_with_held_out
+
+    def heard(*args, **kwargs):
+        return adam(*args, **kwargs, on_check=lambda step, loss: checked.append(step))
+
+    monkeypatch.setattr(shared_key_refinement, "adam_with_held_out", heard)
+    shared_key_refinement.refine_shared_key(samples, factors, GEOMETRY, setting, steps=100, batch_sequences=2)
+    assert checked == [40, 80, 100]

@@ -12,6 +12,7 @@ import torch
 from ...architectures.layouts import AttentionLayer
 from ...architectures.source import SourceModel
 from ...decompose.shared_key import HeadGeometry, KeyStatistics, projection_tokens, statistics_of
+from ...decompose.shared_key_refinement import CHECK_EVERY, QUERY_ROWS
 from ...format import HeadCounts
 from ...io.spill import SpillFolder
 from ...options import CompressOptions
@@ -140,8 +141,8 @@ def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: 
         device=options.device, value_moments=value_moments)
     refinement = (f"up to {options.refine_steps} Adam steps per layer on the error of the attention output (through "
                   f"the output projection; attention KL reported), each on {step_sequences} of "
-                  f"{min(keep, len(texts))} sequences and 32 query positions in each, stopped and chosen on a "
-                  "held-out tenth of them") if keep else "off"
+                  f"{min(keep, len(texts))} sequences and {QUERY_ROWS} query positions in each, stopped and chosen "
+                  f"on a held-out tenth of them, checked every {CHECK_EVERY} steps") if keep else "off"
     calibration = {
         "source": text_name(options.calibration),
         "examples": batches.texts,
