@@ -191,7 +191,7 @@ class CompressOptions(_ModelInputs, FidelityGates):
         None, ge=0, description="With --calibration: Adam steps per layer against the original attention (the "
         "collaborative form: on average, layers with more error get more; each step on 4 sequences x 64 query "
         "positions; the shared-key form's on 4 x 32, the multi-query form's on 8 x 32; a layer stops early when a "
-        "held-out slice stops improving; 0: off). Default: 200, 160 for the multi-query form.",
+        "held-out slice stops improving; 0: off). Default: 200, 130 for the multi-query form.",
     )
     refine_samples: int = Field(256, ge=1, description="With --calibration: sequences the refinement looks at.")
     # After every layer is fitted on its own: every layer's collaborative tensors tuned together on the model's

@@ -62,7 +62,7 @@ class _Progress:
 
 def adam_with_held_out(parameters: list[torch.Tensor], minibatch_loss, held_out_loss, steps: int,
                        learning_rate: float, check_every: int = 20, patience: int = 5, on_check=None,
-                       averaging: float = AVERAGING):
+                       averaging: float = AVERAGING, warmup: int = 0):
     """Adam on `minibatch_loss()`, checked on `held_out_loss()` every `check_every` steps: stops after
     `patience` checks without a gain and returns (the best parameters seen, the start's held-out loss, the best,
     steps taken). The start counts as a candidate, so the result is never worse on the held-out data.
@@ -71,7 +71,8 @@ def adam_with_held_out(parameters: list[torch.Tensor], minibatch_loss, held_out_
     is checked (and kept) is the average of the steps' parameters, exponentially weighted by `averaging` (0: the
     last step's): minibatches pull the parameters around the minimum, and their average sits nearer it (Polyak
     averaging; measured on MiniLM's and SmolLM2's layers, the average after 60-80% of the steps was at or below
-    the last step's held-out loss after all of them)."""
+    the last step's held-out loss after all of them). `warmup`: the learning rate rises linearly over the first
+    steps (Adam's first steps move every entry by about the full rate, whatever its gradient's size)."""
     # fused: one kernel per step for all the tensors, where torch has one (CPU and CUDA); on SmolLM2's shared-key
     # layers Adam's own step was a tenth of a refinement step
     fused = all(p.device.type in ("cpu", "cuda") for p in parameters)
@@ -82,7 +83,11 @@ def adam_with_held_out(parameters: list[torch.Tensor], minibatch_loss, held_out_
     initial = held_out_loss()
     state, taken = _Progress([p.detach().clone() for p in parameters], initial), 0
     average = _Average(parameters, averaging)
+    rates = [group["lr"] for group in optimizer.param_groups]
     for taken in range(1, steps + 1):
+        if taken <= warmup:
+            for group, rate in zip(optimizer.param_groups, rates, strict=True):
+                group["lr"] = rate * taken / warmup
         optimizer.zero_grad()
         minibatch_loss().backward()
         optimizer.step()

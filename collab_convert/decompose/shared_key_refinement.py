@@ -28,7 +28,14 @@ from .value_latent import ValueLatent
 # kept is the last one's with checks every 20 steps or every 40 (the same held-out errors on its dumped layers at
 # 50% and 75% of the key cache and in the multi-query form), and the checks were 7% of a refinement at 20.
 CHECK_EVERY = 40
+# Checks without a gain before a layer stops: 120 steps, as 5 checks of 20 were 100. At 75% of SmolLM2's key cache
+# four layers never beat their start and stopped so; with 5 checks of 40 they ran all 200 steps (8% more).
+PATIENCE = 3
 QUERY_ROWS = 32  # query positions a step draws in each of its sequences
+# Steps over which the learning rate rises to its full value: on SmolLM2's dumped layers 10 of them took the summed
+# held-out error from 0.36593 to 0.36482 at half the key cache, 0.03636 to 0.03572 at 75%, and in the multi-query
+# form 0.55190 to 0.53725 (0.54957 at 130 steps instead of 160). docs/benchmarks.md, "A warmed-up learning rate".
+WARMUP = 10
 
 
 @dataclass
@@ -116,7 +123,7 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
         return loss / max(norm, 1e-30)
 
     best, initial, best_loss, taken = adam_with_held_out(parameters, minibatch_loss, held_out, steps, learning_rate,
-                                                         check_every=CHECK_EVERY)
+                                                         CHECK_EVERY, PATIENCE, warmup=WARMUP)
     for parameter, kept in zip(parameters, best, strict=True):
         parameter.data.copy_(kept)
     kl_after = held_out_kl()

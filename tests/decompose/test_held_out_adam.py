@@ -58,3 +58,18 @@ def test_a_start_no_step_improves_on_is_kept():
         200, 0.1, patience=2)
     assert torch.equal(best[0], start) and best_loss == initial == 0.0
     assert taken == 40  # two checks without a gain
+
+
+def test_a_warmed_up_rate_rises_linearly_over_the_first_steps_then_stays():
+    """On a constant gradient Adam moves each entry by its rate: 1/4, 2/4, 3/4 of it over a 4-step warmup, then
+    all of it (the rate is the learning rate times the typical entry: 1 here)."""
+    parameters = [torch.ones(4, requires_grad=True)]
+    seen = []
+
+    def minibatch_loss():
+        seen.append(parameters[0].detach().clone())
+        return parameters[0].sum()  # gradient 1 everywhere
+
+    adam_with_held_out(parameters, minibatch_loss, lambda: 0.0, 6, 0.01, averaging=0.0, warmup=4)
+    moves = [float(before[0] - after[0]) for before, after in zip(seen, seen[1:] + [parameters[0].detach()])]
+    assert [round(move / 0.01, 4) for move in moves] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]

@@ -284,16 +284,17 @@ def test_steps_take_the_quadratic_error_where_the_heads_are_no_wider_than_the_mo
 
 def test_a_shared_key_refinement_checks_its_held_out_sequences_every_forty_steps(monkeypatch):
     """The held-out curves still fall at the last step, so checks every 40 steps keep the same state as every 20
-    at half the checks' cost; the last step is always checked."""
+    at half the checks' cost; the last step is always checked. Its rate warms up over the first 10 steps."""
     from collab_convert.decompose import held_out_adam, shared_key_refinement
 
     samples, setting, factors = sequences_and_setting(seed=8)
     samples = samples + [SharedKeySample(s.queries, s.keys, s.values) for s in samples]  # 12: one held out
-    checked, adam = [], held_out_adam.adam_with_held_out
+    checked, settings, adam = [], [], held_out_adam.adam_with_held_out
 
     def heard(*args, **kwargs):
+        settings.append((args[5:7], kwargs["warmup"]))
         return adam(*args, **kwargs, on_check=lambda step, loss: checked.append(step))
 
     monkeypatch.setattr(shared_key_refinement, "adam_with_held_out", heard)
     shared_key_refinement.refine_shared_key(samples, factors, GEOMETRY, setting, steps=100, batch_sequences=2)
-    assert checked == [40, 80, 100]
+    assert checked == [40, 80, 100] and settings == [((40, 3), 10)]  # every 40; no gain in 3 checks: it stops
