@@ -20,8 +20,8 @@ def quadratic_pays(output_weight: torch.Tensor | None) -> bool:
 
 @dataclass
 class QuadraticTargets:
-    """What a step's error needs of the original output T = O W^T at each row, for QuadraticError: T W (the rows'
-    (H d)-wide target behind the output projection W) and |T|^2; and W^T W."""
+    """What a step's error needs of the original output T at each row, for QuadraticError: T W (the rows' (H d)-wide
+    target behind the output projection W) and |T|^2; and W^T W."""
 
     gram: torch.Tensor  # (H d, H d) in the products' dtype
     back: torch.Tensor  # (..., H d): T W, at least float32 once gathered
@@ -29,7 +29,8 @@ class QuadraticTargets:
 
     @classmethod
     def of(cls, target_output: torch.Tensor, output_weight: torch.Tensor, products: torch.dtype) -> QuadraticTargets:
-        """From stacked targets (S, n, D), a few sequences at a time; T W waits in the targets' own dtype."""
+        """From stacked targets (S, n, D), a few sequences at a time; T W waits in the targets' own dtype (float16
+        records: half of float32's bytes), or in float32 where that dtype cannot hold it."""
         wide = _at_least_float32(target_output.dtype, output_weight.dtype)
         weight = output_weight.to(wide)
         back = torch.empty(*target_output.shape[:-1], weight.shape[1], dtype=target_output.dtype,
@@ -37,7 +38,10 @@ class QuadraticTargets:
         energy = torch.empty(target_output.shape[:-1], dtype=wide, device=target_output.device)
         for start in range(0, target_output.shape[0], 32):
             part = target_output[start : start + 32].to(wide)
-            back[start : start + 32] = part @ weight
+            projected = part @ weight
+            if back.dtype != wide and not torch.isfinite(projected.to(back.dtype)).all():
+                back = back.to(wide)
+            back[start : start + 32] = projected
             energy[start : start + 32] = (part * part).sum(-1)
         return cls((weight.T @ weight).to(products), back, energy)
 
@@ -56,9 +60,10 @@ def _at_least_float32(*dtypes: torch.dtype) -> torch.dtype:
 class QuadraticError(torch.autograd.Function):
     """sum over rows of w |R W^T - T|^2 - |T|^2 = w R.(R G - 2 T W), with G = W^T W; the gradient with respect to
     the heads' reading R is 2 w (R G - T W), the forward's own product: the output projection's product in the
-    backward is not needed (at SmolLM2's shape, a step's error forward and backward 0.96 -> 0.70 ms). The value is a difference of large terms
-    (cancellation) in the products' precision: for Adam's steps, which read only the gradient; held-out checks
-    take the plain error. Where the heads are wider than the model (quadratic_pays) it is not used."""
+    backward is not needed (at SmolLM2's shape, a step's error forward and backward 0.96 -> 0.70 ms). The value
+    is a difference of large terms (cancellation) in the products' precision: for Adam's steps, which read only
+    the gradient; held-out checks take the plain error. Where the heads are wider than the model (quadratic_pays)
+    it is not used."""
 
     @staticmethod
     def forward(ctx, read: torch.Tensor, gram: torch.Tensor, back: torch.Tensor, rows: torch.Tensor):

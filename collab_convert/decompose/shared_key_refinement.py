@@ -34,7 +34,7 @@ PATIENCE = 3
 QUERY_ROWS = 32  # query positions a step draws in each of its sequences
 # Steps over which the learning rate rises to its full value: on SmolLM2's dumped layers 10 of them took the summed
 # held-out error from 0.36593 to 0.36482 at half the key cache, 0.03636 to 0.03572 at 75%, and in the multi-query
-# form 0.55190 to 0.53725 (0.54957 at 130 steps instead of 160). docs/benchmarks.md, "A warmed-up learning rate".
+# form 0.55190 to 0.53725 (0.54957 at 130 steps instead of 160). docs/benchmarks.md, "A cheaper refinement step".
 WARMUP = 10
 
 

@@ -172,7 +172,12 @@ def test_calibrated_encoder_decoders_refine_every_kind_of_attention(form, name, 
              else "decoder" if "decoder" in layer.name else "encoder" for layer in result.layers}
     assert kinds == {"encoder", "decoder", "cross"}
     for layer in result.layers:
-        assert layer.refinement["steps"] > 0 and layer.refinement["kl_after"] <= layer.refinement["kl_before"] + 1e-9
+        # never worse on the held-out sequences in what it is chosen by: the shared key's attention output (its
+        # attention KL, only reported, may move either way), the collaborative form's attention KL
+        refinement = layer.refinement
+        before, after = ((refinement["loss_before"], refinement["loss_after"]) if form == "shared-key"
+                         else (refinement["kl_before"], refinement["kl_after"]))
+        assert refinement["steps"] > 0 and after <= before + 1e-9
     assert result.fidelity["cosine_mean"] > 0.99
 
 

@@ -298,3 +298,13 @@ def test_a_shared_key_refinement_checks_its_held_out_sequences_every_forty_steps
     monkeypatch.setattr(shared_key_refinement, "adam_with_held_out", heard)
     shared_key_refinement.refine_shared_key(samples, factors, GEOMETRY, setting, steps=100, batch_sequences=2)
     assert checked == [40, 80, 100] and settings == [((40, 3), 10)]  # every 40; no gain in 3 checks: it stops
+
+
+def test_quadratic_targets_wait_in_float32_where_float16_cannot_hold_them():
+    """Float16 records keep T W in float16 (half the bytes) unless it overflows there: then in float32, exact."""
+    target = torch.full((3, 4, 8), 200.0).half()
+    for scale, dtype in ((0.01, torch.float16), (100.0, torch.float32)):
+        weight = torch.full((8, 8), scale)
+        targets = QuadraticTargets.of(target, weight, torch.float32)
+        assert targets.back.dtype == dtype and torch.isfinite(targets.back).all()
+        assert torch.allclose(targets.back.float(), target.float() @ weight, rtol=1e-3)
