@@ -7,6 +7,7 @@ gradient 2 (R G - T W) is the forward's own product, so a step runs one product 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,7 @@ class QuadraticTargets:
     def of(cls, target_output: torch.Tensor, output_weight: torch.Tensor, products: torch.dtype) -> QuadraticTargets:
         """From stacked targets (S, n, D), a few sequences at a time; T W waits in the targets' own dtype (float16
         records: half of float32's bytes), or in float32 where that dtype cannot hold it."""
-        wide = _at_least_float32(target_output.dtype, output_weight.dtype)
+        wide = functools.reduce(torch.promote_types, (target_output.dtype, output_weight.dtype), torch.float32)
         weight = output_weight.to(wide)
         back = torch.empty(*target_output.shape[:-1], weight.shape[1], dtype=target_output.dtype,
                            device=target_output.device)
@@ -48,13 +49,6 @@ class QuadraticTargets:
     def gathered(self, gather) -> QuadraticTargets:
         """The rows a step draws: `gather` takes stacked (S, n, ...) to (B, rows, ...)."""
         return QuadraticTargets(self.gram, gather(self.back).to(self.energy.dtype), gather(self.energy))
-
-
-def _at_least_float32(*dtypes: torch.dtype) -> torch.dtype:
-    wide = torch.float32
-    for dtype in dtypes:
-        wide = torch.promote_types(wide, dtype)
-    return wide
 
 
 class QuadraticError(torch.autograd.Function):

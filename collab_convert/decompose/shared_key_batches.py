@@ -103,13 +103,14 @@ class StackedSequences:
             with torch.no_grad():  # in float32, as every check's target; one problem's attention held at a time
                 self.target_output = torch.cat([problem.target_output for problem in self.each_problem(2)])
             self.queries = None
-        self.quadratic = QuadraticTargets.of(self.target_output, setting.output_weight, products) if (
-            self.target_output is not None and for_steps and quadratic_pays(setting.output_weight)) else None
-        self.target_output = None if self.quadratic is not None else self.target_output  # now in the quadratic's
-        if (self.target_output is not None or self.quadratic is not None) and products != torch.float32:
+        if self.target_output is not None and products != torch.float32:
             # with targets known, keys, values and output projection are only operands: kept in the products' dtype
             self.keys, self.values = self.keys.to(products), self.values.to(products)
             self.setting = replace(setting, output_weight=setting.output_weight.to(products))
+        if self.target_output is not None and for_steps and quadratic_pays(setting.output_weight):
+            # a step's error reads only T W and |T|^2 of the targets (QuadraticError)
+            self.quadratic = QuadraticTargets.of(self.target_output, setting.output_weight, products)
+            self.target_output = None
 
     def _turned(self, queries: torch.Tensor) -> torch.Tensor:
         """Stacked queries (S, n, H, d) turned by RoPE at their positions."""
@@ -212,7 +213,7 @@ class AttentionProblem:
         self.rows = row_valid
         self.valid = row_valid[:, None, :].expand(-1, geometry.num_heads, -1)
         self.values = self.stacked_values = None
-        self.quadratic = quadratic if values is not None else None
+        self.quadratic = quadratic
         if values is not None and setting.output_weight is not None:
             self.values = values.transpose(1, 2)  # (B, G, m, d): a group's heads read them in one product
             self.stacked_values = values.flatten(2)  # (B, m, G d): what a value latent reads

@@ -103,12 +103,12 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
             losses = [p.loss(*parameters) for p in checks]
             return float(sum(loss for loss, _ in losses)) / max(sum(norm for _, norm in losses), 1e-30)
 
-    def held_out_kl() -> float:
+    def held_out_kl(state: list[torch.Tensor]) -> float:
         with torch.no_grad():
-            return float(sum(p.kl_sum(p.predicted(*parameters[:3])) for p in checks)) / max(check_rows, 1)
+            return float(sum(p.kl_sum(p.predicted(*state[:3])) for p in checks)) / max(check_rows, 1)
 
     generator = torch.Generator().manual_seed(seed)
-    kl_before = held_out_kl()
+    kl_before = held_out_kl(parameters)
     products = training_products(device)  # the steps' products; the held-out checks stay in float32
     sequences = StackedSequences(train, geometry, setting, slots, device, targets=True, products=products,
                                  consume=consume, for_steps=True)
@@ -123,10 +123,8 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
         return loss / max(norm, 1e-30)
 
     best, initial, best_loss, taken = adam_with_held_out(parameters, minibatch_loss, held_out, steps, learning_rate,
-                                                         CHECK_EVERY, PATIENCE, warmup=WARMUP)
-    for parameter, kept in zip(parameters, best, strict=True):
-        parameter.data.copy_(kept)
-    kl_after = held_out_kl()
+                                                         check_every=CHECK_EVERY, patience=PATIENCE, warmup=WARMUP)
+    kl_after = held_out_kl(best)
     dtype = factors.key_mixing.dtype
     refined = replace(factors, key_mixing=best[0].to(HOST, dtype), query_core=best[1].to(HOST, dtype),
                       pass_core=best[2].to(HOST, dtype))

@@ -292,12 +292,13 @@ def test_a_shared_key_refinement_checks_its_held_out_sequences_every_forty_steps
     checked, settings, adam = [], [], held_out_adam.adam_with_held_out
 
     def heard(*args, **kwargs):
-        settings.append((args[5:7], kwargs["warmup"]))
+        settings.append({name: kwargs[name] for name in ("check_every", "patience", "warmup")})
         return adam(*args, **kwargs, on_check=lambda step, loss: checked.append(step))
 
     monkeypatch.setattr(shared_key_refinement, "adam_with_held_out", heard)
     shared_key_refinement.refine_shared_key(samples, factors, GEOMETRY, setting, steps=100, batch_sequences=2)
-    assert checked == [40, 80, 100] and settings == [((40, 3), 10)]  # every 40; no gain in 3 checks: it stops
+    assert checked == [40, 80, 100]  # every 40 steps, and the last
+    assert settings == [{"check_every": 40, "patience": 3, "warmup": 10}]  # no gain in 3 checks: it stops
 
 
 def test_quadratic_targets_wait_in_float32_where_float16_cannot_hold_them():
