@@ -143,15 +143,17 @@ class SharedKeyObserver:
             wanted = self.keep or self.value_moments
             values = layout.original_values(module, source, heads) if wanted else queries
             self.replay.replay()
-            real = zip(current.sequences(queries), current.sequences(keys), current.sequences(values), strict=True)
+            real = [current.sequences(part) for part in (queries, keys, values)]  # each cut to its real tokens
+            # the batch's real tokens end to end: its statistics in one call (no padding counted)
+            joined = [torch.cat(parts).float() for parts in real[: 3 if self.value_moments else 2]]
+            more = statistics_of(joined[0], joined[1], geometry, [key.shape[0] for key in real[1]])
+            record.statistics = more if record.statistics is None else record.statistics + more
+            if self.value_moments:
+                moment = value_moment(joined[2])
+                record.value_moment = moment if record.value_moment is None else record.value_moment + moment
+            self.tokens[prefix] += joined[0].shape[0]
             kept = self.awaiting[prefix] = []
-            for row, (query, key, value) in enumerate(real):  # each cut to its real tokens: no padding counted
-                more = statistics_of(query.float(), key.float(), geometry)
-                record.statistics = more if record.statistics is None else record.statistics + more
-                if self.value_moments:
-                    moment = value_moment(value.float())
-                    record.value_moment = moment if record.value_moment is None else record.value_moment + moment
-                self.tokens[prefix] += query.shape[0]
+            for row, (query, key, value) in enumerate(zip(*real, strict=True)):
                 if len(record.samples) < self.keep:
                     record.samples.append(SharedKeySample(*(host_copy(t, torch.float16) for t in (query, key, value))))
                     kept.append((row, record.samples[-1]))

@@ -201,3 +201,24 @@ def test_statistics_are_the_complex_moments_of_each_frequency(geometry):
                                    for group in range(geometry.kv_heads)], 1)
     assert torch.allclose(statistics.key_moment, expected_moment, rtol=1e-12, atol=1e-10)
     assert torch.allclose(statistics.query_energy, expected_energy, rtol=1e-12, atol=1e-10)
+
+
+@pytest.mark.parametrize("geometry", [HeadGeometry(6, 2, 16, 16), HeadGeometry(4, 4, 16, 4)], ids=["grouped", "partial"])
+def test_statistics_of_sequences_laid_end_to_end_are_the_sum_of_each_ones(geometry):
+    # the calibration pass computes a batch's statistics in one call; the pass-through keys' covariance still
+    # centres each sequence on its own mean
+    from collab_convert.decompose.shared_key import statistics_of
+
+    g = torch.Generator().manual_seed(12)
+    lengths = [7, 19, 1, 12]
+    queries = [torch.randn(n, geometry.num_heads, geometry.head_dim, generator=g) + 3 for n in lengths]
+    keys = [torch.randn(n, geometry.kv_heads, geometry.head_dim, generator=g) * (i + 1) - i
+            for i, n in enumerate(lengths)]
+    each = [statistics_of(q, k, geometry) for q, k in zip(queries, keys)]
+    summed = sum(each[1:], each[0])
+    joined = statistics_of(torch.cat(queries), torch.cat(keys), geometry, lengths)
+    for part, expected in zip(joined._parts(), summed._parts(), strict=True):
+        assert torch.allclose(part, expected, rtol=1e-12, atol=1e-10)
+    if geometry.pass_dim:  # centred on the batch's mean instead, the covariance would differ
+        pooled = statistics_of(torch.cat(queries), torch.cat(keys), geometry)
+        assert not torch.allclose(pooled.pass_key_covariance, summed.pass_key_covariance, rtol=1e-3)
