@@ -123,7 +123,11 @@ MMAP_THRESHOLD = 1 << 20
 HEAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its moving threshold (64-bit)
 M_TRIM_THRESHOLD = -1
 TRIM_THRESHOLD = 128 << 10  # glibc's default, fixed once a threshold is set by hand
-HEAP_TRIM_THRESHOLD = 2 * HEAP_THRESHOLD  # what glibc pairs with its own moving threshold
+# the heap's top kept by loops of steps: a step's working set stays mapped (SmolLM2's shared-key steps and
+# MiniLM's refining stage took as long as at 64 MiB), and at most this much freed memory beyond it is held
+# (64 MiB, what glibc pairs with its own moving threshold, put a 12-layer GPT-2-medium-shaped checkpoint's
+# refining stage at 208-217 MB above the imports; 16 MiB at 188-196 MB)
+HEAP_TRIM_THRESHOLD = 16 << 20
 
 
 @functools.cache
@@ -226,8 +230,8 @@ def reused_heap(keep_top: bool = False):
     or threaded users share it: the threshold returns when the last of them is done. Forward passes use it a
     block at a time, with their growth bounded (BoundedHeap).
 
-    `keep_top`, for loops of steps (refinement, distillation): the heap's top is kept too (trim threshold 64
-    MiB, as glibc pairs with its own moving threshold). A threshold set by hand leaves glibc's 128 KiB trim
+    `keep_top`, for loops of steps (refinement, distillation): the heap's top is kept too (trim threshold 16
+    MiB, HEAP_TRIM_THRESHOLD). A threshold set by hand leaves glibc's 128 KiB trim
     threshold fixed, so every step's freed tensors were handed back at the top and faulted in again at the
     next, page by page: 4,600 faults and 16-19 ms a MiniLM refinement step, none and 10 ms with the top kept.
     What stays is at most a step's own working set, which the peak already holds. The calibration pass keeps it

@@ -49,7 +49,7 @@ def test_an_error_inside_still_gives_the_threshold_back(monkeypatch):
 
 def test_loops_of_steps_keep_the_heaps_top_and_forward_passes_do_not(monkeypatch):
     """A threshold set by hand fixes glibc's trim threshold at 128 KiB: every step's freed tensors would go back at
-    the heap's top and be faulted in again. A loop of steps keeps the top (up to 64 MiB) while it runs, even
+    the heap's top and be faulted in again. A loop of steps keeps the top (up to 16 MiB) while it runs, even
     with a forward pass's user sharing the heap; a forward pass alone leaves the default."""
     libc = RecordingLibc()
     monkeypatch.setattr(cpu, "glibc", lambda: libc)
@@ -61,7 +61,7 @@ def test_loops_of_steps_keep_the_heaps_top_and_forward_passes_do_not(monkeypatch
             pass
         assert libc.trim_thresholds == [("mallopt", cpu.HEAP_TRIM_THRESHOLD)]
     assert libc.trim_thresholds == [("mallopt", cpu.HEAP_TRIM_THRESHOLD), ("mallopt", cpu.TRIM_THRESHOLD)]
-    assert cpu.HEAP_TRIM_THRESHOLD == 64 << 20 and cpu.TRIM_THRESHOLD == 128 << 10
+    assert cpu.HEAP_TRIM_THRESHOLD == 16 << 20 and cpu.TRIM_THRESHOLD == 128 << 10
 
 
 def test_the_heap_is_trimmed_before_a_refinement_takes_it(monkeypatch):

@@ -13,7 +13,9 @@ import torch
 
 BATCH_TOKENS = 4096  # padded tokens per forward pass: the activations of one batch stay small
 BATCH_SEQUENCES = 64
-ACTIVATION_BYTES = 96 << 20  # a batch's activations inside one block, roughly: wide models get fewer tokens
+# a batch's activations inside one block, roughly: wide models get fewer tokens. At 96 MiB the calibrating stage
+# of a 12-layer GPT-2-medium-shaped checkpoint peaked at 205-209 MB above the imports, at 64 MiB 175 MB
+ACTIVATION_BYTES = 64 << 20
 # a block's activations per token and hidden unit: the 4x-wide feed-forward twice, queries, keys, values (about 16
 # float32 numbers)
 ACTIVATION_BYTES_PER_UNIT = 64
@@ -21,8 +23,8 @@ ACTIVATION_BYTES_PER_UNIT = 64
 
 def batch_tokens(width: int | None) -> int:
     """Padded tokens per batch for a model of hidden size `width`: a block's activations
-    (ACTIVATION_BYTES_PER_UNIT a token and hidden unit) within ACTIVATION_BYTES. all-MiniLM-L6-v2 (384): 4096
-    tokens; GPT-2-medium (1024): 1536. BATCH_TOKENS where the width is unknown."""
+    (ACTIVATION_BYTES_PER_UNIT a token and hidden unit) within ACTIVATION_BYTES. all-MiniLM-L6-v2 (384): 2730
+    tokens; SmolLM2 (576): 1820; GPT-2-medium (1024): 1024. BATCH_TOKENS where the width is unknown."""
     if not width:
         return BATCH_TOKENS
     return max(256, min(BATCH_TOKENS, ACTIVATION_BYTES // (ACTIVATION_BYTES_PER_UNIT * width)))
@@ -105,7 +107,7 @@ def _body_tokens(config, longest: int) -> int:
     """Padded tokens per batch of bodies: within calibration's budget, and with activations about what the heads
     hold anyway for one text (both models' float32 logits), so batching adds little to the peak (SmolLM2, 32 texts:
     +119 MB anonymous against +100 MB a text at a time, benchmarks/fidelity_check.py). SmolLM2 (576 wide, 49k
-    words): 1365 tokens; GPT-2-medium 785; a 4096-wide model with a 128k vocabulary 384 (calibration's)."""
+    words): 1365 tokens; GPT-2-medium 785; a 4096-wide model with a 128k vocabulary 256 (calibration's)."""
     width, vocabulary = getattr(config, "hidden_size", None), getattr(config, "vocab_size", None)
     if not width or not vocabulary:
         return longest  # a text at a time
