@@ -100,12 +100,7 @@ def statistics_of(queries: torch.Tensor, keys: torch.Tensor, geometry: HeadGeome
     energy.index_add_(1, group_of_head, (squares[:, :half] + squares[:, half:]).T)
     p = geometry.pass_dim
     pass_keys = keys[..., geometry.rotary_dim:].reshape(keys.shape[0], -1).double()
-    if lengths is None or len(lengths) == 1:
-        centred = pass_keys - pass_keys.mean(0, keepdim=True)
-    else:
-        counts = torch.tensor(lengths, device=keys.device)
-        means = torch.stack([part.mean(0) for part in pass_keys.split(lengths)])
-        centred = pass_keys - means.repeat_interleave(counts, 0)
+    centred = torch.cat([part - part.mean(0, keepdim=True) for part in pass_keys.split(lengths or keys.shape[0])])
     pass_queries = queries[..., geometry.rotary_dim:].double()  # (n, N_h, p)
     query_moment = torch.zeros(geometry.kv_heads, p, p, dtype=torch.float64, device=queries.device)
     query_moment.index_add_(0, group_of_head, torch.einsum("nhp,nhq->hpq", pass_queries, pass_queries))

@@ -146,7 +146,8 @@ class SharedKeyObserver:
             real = [current.sequences(part) for part in (queries, keys, values)]  # each cut to its real tokens
             # the batch's real tokens end to end: its statistics in one call (no padding counted; a call per
             # sequence left hundreds of small float64 tensors in the pass's heap: its peak 245 -> 207 MB)
-            joined = [torch.cat(parts).float() for parts in real[: 3 if self.value_moments else 2]]
+            # (in their own dtype: the statistics widen them to float64 themselves)
+            joined = [torch.cat(parts) for parts in real[: 3 if self.value_moments else 2]]
             more = statistics_of(joined[0], joined[1], geometry, [key.shape[0] for key in real[1]])
             record.statistics = more if record.statistics is None else record.statistics + more
             if self.value_moments:
