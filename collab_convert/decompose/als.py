@@ -120,6 +120,10 @@ class FitResult:
     # the error of the best block-diagonal form at the same rank, where the fit computed it: the baseline
     # that the shared form must beat
     per_head_truncation_error: float | None = None
+    # where the ALS ran: its factors as combinations of the fitted heads' stacked rows, (N_h d_k, R) weights for
+    # each side (shared_query = query rows^T @ weights): the same combinations of other rows carry the factors
+    # into those rows' basis (a calibrated fit's raw heads, calibrated.fit_calibrated)
+    row_weights: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def fit_collaborative(
@@ -129,6 +133,7 @@ def fit_collaborative(
     tolerance: float = 1e-3,
     device: str | torch.device = "cpu",
     subspaces: TuckerSubspaces | None = None,
+    own_products: bool = False,
 ) -> FitResult:
     """Rank-R collaborative factors of the stacked head products (`subspaces`: their HOSVD with bases, where the
     caller has it already).
@@ -141,25 +146,30 @@ def fit_collaborative(
 
     The ALS works in the span of the heads' rows, which is the Tucker (HOSVD) subspace of each side: every
     update of a factor lies there, and working in it needs no basis. The HOSVD is computed for the spectra and
-    the shared-subspace start.
+    the shared-subspace start. `own_products`: the products are the caller's to fit once (not the same
+    layer at several ranks), so what the starts derived from them is let go before the ALS.
     """
     if rank < 1:
         raise ValueError(f"rank must be at least 1, got {rank}")
     tries_shared = starts_shared(products, rank)
     if subspaces is None or (tries_shared and subspaces.query_basis is None):
         subspaces = tucker_subspaces(products, bases=tries_shared)
-    truncation, truncation_error = _per_head_truncation(products, rank)
-    candidates, errors = {"per-head truncation": truncation}, {"per-head truncation": truncation_error}
+    candidates, errors = {}, {}
+    candidates["per-head truncation"], errors["per-head truncation"] = _per_head_truncation(products, rank)
     if tries_shared:
         candidates["shared subspace"] = shared_subspace_init(products, subspaces, rank)
         errors["shared subspace"] = relative_error(products, candidates["shared subspace"])
     init_name = min(errors, key=errors.get)
     factors, history, iterations = candidates[init_name], [errors[init_name]], 0
+    if own_products:  # at D_in = 1024, 16 heads: 32 MB of head bases and 10 MB of the start not chosen
+        products.forget_head_factors()
+        candidates.clear()
     # At full rank the per-head start is exact; the factored error formula only resolves it to ~1e-8.
+    row_weights = None
     if rank < products.full_rank and errors[init_name] > EXACT:
-        factors, iterations = _als(products, factors, history, max_iterations, tolerance, device)
+        factors, iterations, row_weights = _als(products, factors, history, max_iterations, tolerance, device)
 
-    factors = factors.balanced()
+    factors, row_weights = _balanced(factors, row_weights)
     return FitResult(
         factors=factors,
         # a start kept as it was has its error already (the truncation's exact, without cancellation)
@@ -171,12 +181,22 @@ def fit_collaborative(
         query_spectrum=subspaces.query_singular_values,
         key_spectrum=subspaces.key_singular_values,
         per_head_truncation_error=errors["per-head truncation"],
+        row_weights=row_weights,
     )
 
 
+def _balanced(factors: CollaborativeFactors, row_weights: tuple[torch.Tensor, torch.Tensor] | None):
+    """factors.balanced(), and the row weights that give its shared query and key."""
+    query_scale, key_scale, mixing_scale = factors.balancing_scales()
+    balanced = CollaborativeFactors(factors.shared_query * query_scale, factors.shared_key * key_scale,
+                                    factors.mixing * mixing_scale)
+    return balanced, None if row_weights is None else (row_weights[0] * query_scale, row_weights[1] * key_scale)
+
+
 def _als(core: HeadProducts, start: CollaborativeFactors, history: list[float], max_iterations: int,
-         tolerance: float, device) -> tuple[CollaborativeFactors, int]:
-    """CP-ALS with Bro's line search from `start`; appends each iteration's error to `history`.
+         tolerance: float, device) -> tuple[CollaborativeFactors, int, tuple[torch.Tensor, torch.Tensor] | None]:
+    """CP-ALS with Bro's line search from `start`; appends each iteration's error to `history`. Returns the
+    factors, the iterations run and, where any ran, the factors' weights on the heads' rows (float64).
 
     ALS runs in float32: its GEMMs dominate and halve in cost; the error it steers by is accurate to ~1e-6 of
     ||T||, far below any error worth chasing. Everything around it stays float64. `device` moves only the ALS
@@ -209,8 +229,10 @@ def _als(core: HeadProducts, start: CollaborativeFactors, history: list[float], 
         if improvement < tolerance * error or error < EXACT:
             break
     if not iterations:
-        return start, 0
-    return CollaborativeFactors(*(t.to(device="cpu", dtype=COMPUTE_DTYPE) for t in als.factors(state))), iterations
+        return start, 0, None
+    factors = CollaborativeFactors(*(t.to(device="cpu", dtype=COMPUTE_DTYPE) for t in als.factors(state)))
+    weights = tuple(t.to(device="cpu", dtype=COMPUTE_DTYPE) for t in (state.query_weights, state.key_weights))
+    return factors, iterations, weights
 
 
 @dataclass

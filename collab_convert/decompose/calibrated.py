@@ -18,26 +18,39 @@ class InputMetric:
     mean: torch.Tensor  # (D,)
 
 
-def _square_root(covariance: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric C^(1/2) and C^(-1/2) of C + ridge * mean(diag C) * I (the ridge keeps unseen directions alive)."""
+def _square_root(covariance: torch.Tensor, ridge: float, inverse: bool = False) -> torch.Tensor:
+    """Symmetric C^(1/2) (`inverse`: C^(-1/2)) of C + ridge * mean(diag C) * I (the ridge keeps unseen directions
+    alive)."""
     c = covariance.to(COMPUTE_DTYPE)
     c = 0.5 * (c + c.T)
     size = c.shape[0]
     shift = ridge * float(c.diagonal().mean().clamp_min(1e-12))
     values, vectors = torch.linalg.eigh(c + shift * torch.eye(size, dtype=c.dtype))
     values = values.clamp_min(shift)
-    root = (vectors * values.sqrt()) @ vectors.T
-    inverse_root = (vectors * values.rsqrt()) @ vectors.T
-    return root, inverse_root
+    return (vectors * (values.rsqrt() if inverse else values.sqrt())) @ vectors.T
 
 
-def whiten(products: HeadProducts, query_metric: InputMetric, key_metric: InputMetric, ridge: float = 1e-3,
-           inverses: bool = False):
+def whiten(products: HeadProducts, query_metric: InputMetric, key_metric: InputMetric,
+           ridge: float = 1e-3) -> HeadProducts:
     """The head products as the logits see them: (W_Q^(i) C_x^(1/2), W_K^(i) C_y^(1/2))."""
-    query_root, query_inverse = _square_root(query_metric.covariance, ridge)
-    key_root, key_inverse = _square_root(key_metric.covariance, ridge)
-    whitened = HeadProducts(products.query_heads @ query_root, products.key_heads @ key_root)
-    return (whitened, (query_inverse, key_inverse)) if inverses else whitened
+    return HeadProducts(products.query_heads @ _square_root(query_metric.covariance, ridge),
+                        products.key_heads @ _square_root(key_metric.covariance, ridge))
+
+
+def _unwhitened(fit: FitResult, products: HeadProducts, scale: torch.Tensor | None, query_metric: InputMetric,
+                key_metric: InputMetric, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fit's shared query and key in the raw inputs' basis. The ALS's factors are combinations of the whitened
+    heads' rows (W_Q^(i) C_x^(1/2), scaled by sqrt(w_i)), so the same combinations of the raw rows, scaled alike,
+    are C_x^(-1/2) times them: no inverse square roots held through the fit (two D_in x D_in float64 matrices).
+    Where the fit kept its start (no ALS ran: full rank), the inverses are computed then."""
+    if fit.row_weights is not None:
+        query_heads = products.query_heads if scale is None else products.query_heads * scale[:, None, None]
+        query_weights, key_weights = fit.row_weights
+        return (query_heads.reshape(-1, query_heads.shape[2]).T @ query_weights,
+                products.key_heads.reshape(-1, products.key_heads.shape[2]).T @ key_weights)
+    query_inverse = _square_root(query_metric.covariance, ridge, inverse=True)
+    key_inverse = _square_root(key_metric.covariance, ridge, inverse=True)
+    return query_inverse @ fit.factors.shared_query, key_inverse @ fit.factors.shared_key
 
 
 # How strongly the heads' output energies weigh: their square roots. Measured on all-MiniLM-L6-v2 calibrated on
@@ -92,15 +105,15 @@ def fit_calibrated(
     `weights` (N_h,), from head_weights: head i's logit error counts weights[i] times, so the shared dimensions
     go where the layer's output would move most (its reported error is then the weighted share).
     """
-    whitened, (query_inverse, key_inverse) = whiten(products, query_metric, key_metric, ridge, inverses=True)
+    whitened = whiten(products, query_metric, key_metric, ridge)
     scale = None if weights is None else weights.to(COMPUTE_DTYPE).sqrt()
     if scale is not None:  # sqrt(w_i) T_i fitted; its mixing row divided back below
         whitened = HeadProducts(whitened.query_heads * scale[:, None, None], whitened.key_heads)
-    fit = fit_collaborative(whitened, rank, max_iterations, tolerance, device)
+    fit = fit_collaborative(whitened, rank, max_iterations, tolerance, device, own_products=True)
+    del whitened  # the fit's own: its products, not ours to hold while the factors are carried back
     mixing = fit.factors.mixing if scale is None else fit.factors.mixing / scale[:, None].to(fit.factors.mixing.dtype)
-    factors = CollaborativeFactors(
-        query_inverse @ fit.factors.shared_query, key_inverse @ fit.factors.shared_key, mixing
-    ).balanced()
+    factors = CollaborativeFactors(*_unwhitened(fit, products, scale, query_metric, key_metric, ridge),
+                                   mixing).balanced()
     # mu_x^T (T_i - T~_i) for every head, without forming T: (mu Q_i^T) K_i - ((mu Q~) * m_i) K~^T
     mean = query_metric.mean.to(COMPUTE_DTYPE)
     exact = torch.einsum("hdq,q,hdk->hk", products.query_heads, mean, products.key_heads)

@@ -91,6 +91,12 @@ class HeadProducts:
             self._head_svd = qa @ u, s, qb @ vh.transpose(1, 2)
         return self._head_svd
 
+    def forget_head_factors(self) -> None:
+        """Let go of the per-head QR and SVD (each as large as the products): the ALS reads neither, and a fit
+        whose products are its own (a calibrated fit's whitened ones) need not hold them through it."""
+        self._head_bases.clear()
+        self._head_svd = None
+
     def row_gram(self, side: str, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, rows rows^T): every head's rows on one side stacked (N_h d_k x D_in) in `dtype` on `device`,
         and their Gram matrix."""
@@ -123,16 +129,18 @@ class CollaborativeFactors:
 
     def balanced(self) -> "CollaborativeFactors":
         """Give each of the three factors the same column norm, so low-precision storage loses least."""
+        query_scale, key_scale, mixing_scale = self.balancing_scales()
+        return CollaborativeFactors(self.shared_query * query_scale, self.shared_key * key_scale,
+                                    self.mixing * mixing_scale)
+
+    def balancing_scales(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What balanced() multiplies each factor's columns by (zero columns stay zero)."""
         nq = self.shared_query.norm(dim=0)
         nk = self.shared_key.norm(dim=0)
         nm = self.mixing.norm(dim=0)
         scale = (nq * nk * nm).clamp_min(0) ** (1.0 / 3.0)
-        safe = lambda n: torch.where(n > 0, n, torch.ones_like(n))  # noqa: E731 - zero columns stay zero
-        return CollaborativeFactors(
-            self.shared_query / safe(nq) * scale,
-            self.shared_key / safe(nk) * scale,
-            self.mixing / safe(nm) * scale,
-        )
+        safe = lambda n: torch.where(n > 0, n, torch.ones_like(n))  # noqa: E731
+        return scale / safe(nq), scale / safe(nk), scale / safe(nm)
 
 
 def relative_error(products: HeadProducts, factors: CollaborativeFactors) -> float:

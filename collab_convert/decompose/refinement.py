@@ -214,16 +214,14 @@ def _original_attention(queries, keys, query_weight, query_bias, key_weight, num
 def attention_key_covariance(queries, keys, query_weight, query_bias, key_weight, num_heads: int, scaling: float,
                              causal: bool = False, position_bias=None, device=HOST, seed: int = 0) -> torch.Tensor:
     """The key-side inputs' covariance as the original attention sees them, (D, D) in float64: over the heads and
-    the query rows (HELD_OUT_ROWS of each sequence), the covariance of y under each row's attention p,
-    sum_k p_k y_k y_k^T - (sum_k p_k y_k)(sum_k p_k y_k)^T.
-
-    To second order, the attention KL of a logit error e_k = x^T E y_k is half its variance under p: a key that
-    gets no attention, or the one key a saturated row attends to, costs nothing. Whitening the key side with this
-    metric instead of the keys' plain spread fits the logits where the softmax listens: on all-MiniLM-L6-v2 at
-    rank ~192 the fit's held-out KL fell by 3-35% a layer (0.0302 -> 0.0197 at the third), most of the way to
-    where 200 refinement steps took the plain fit. Summed per sequence as Y^T (diag(column sums of P) -
-    sum_i P_i^T P_i) Y: no product per head and row, and a shift common to a sequence's keys drops out (the rows
-    of that matrix sum to 0)."""
+    the query rows (HELD_OUT_ROWS of each sequence), the covariance of y under each row's attention p. To second
+    order, the attention KL of a logit error e_k = x^T E y_k is half its variance under p: a key that gets no
+    attention, or the one key a saturated row attends to, costs nothing. Whitening the key side with this metric
+    instead of the keys' spread fits the logits where the softmax listens: on all-MiniLM-L6-v2 at rank ~192 the
+    fit's held-out KL fell by 3-35% a layer, most of the way to where 200 refinement steps took the plain fit.
+    Summed per sequence as Y^T (diag(column sums of P) - sum_i P_i^T P_i) Y: no product per head and row, and a
+    shift common to a sequence's keys drops out (the rows of that matrix sum to 0). Each sequence's (D, D) part is
+    added in turn (bit for bit a batched sum), not all at once: 64 MB at D = 1024, 1 GB at D = 4096."""
     total, rows = None, 0
     for batch in _original_attention(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal,
                                      position_bias, rows=HELD_OUT_ROWS, seed=seed, device=device,
@@ -231,8 +229,10 @@ def attention_key_covariance(queries, keys, query_weight, query_bias, key_weight
         p = batch.target_p.flatten(1, 2)  # (B, H rows, m): rows past a sequence's end are all 0
         # sum_i P_i^T P_i in one product over every head's rows: no (B, H, m, m) per head (201 MB at 512 tokens)
         spread = torch.diag_embed(p.sum(1)) - p.transpose(1, 2) @ p  # (B, m, m)
-        part = (batch.y.transpose(1, 2) @ spread @ batch.y).sum(0).double()
-        total = part if total is None else total + part
+        part = None  # each sequence's (D, D) added in turn (see the docstring)
+        for left, y in zip(batch.y.transpose(1, 2) @ spread, batch.y):
+            part = left @ y if part is None else part.addmm_(left, y)
+        total = part.double() if total is None else total + part.double()
         rows += batch.rows
     return (total / max(rows, 1)).to(HOST)  # beside the other statistics, wherever the attention ran
 

@@ -48,6 +48,32 @@ def test_calibrated_fit_beats_weight_only_on_the_logits_of_real_inputs():
     )
 
 
+def test_a_calibrated_fit_carries_its_factors_back_through_the_head_rows_as_the_inverse_root_would():
+    # the ALS's factors are combinations of the whitened heads' rows; the same combinations of the raw rows must be
+    # C^(-1/2) times them (with the heads weighed too), so no inverse square root is held through the fit
+    g = torch.Generator().manual_seed(6)
+    products = HeadProducts.from_projections(torch.randn(24, 24, generator=g), torch.randn(24, 24, generator=g), 4)
+    x, y = anisotropic_inputs(seed=7), anisotropic_inputs(seed=8)
+    weights = torch.tensor([2.0, 0.5, 1.0, 0.5], dtype=torch.float64)
+    fit, _ = fit_calibrated(products, 6, metric(x), metric(y), weights=weights)
+    assert fit.iterations > 0 and fit.row_weights is not None
+
+    def power(covariance, exponent):  # the ridged matrix power, as the fit takes it
+        c = covariance + 1e-3 * covariance.diagonal().mean() * torch.eye(24, dtype=torch.float64)
+        values, vectors = torch.linalg.eigh(c)
+        return (vectors * values.pow(exponent)) @ vectors.T
+
+    scale = weights.sqrt()[:, None, None]
+    whitened = HeadProducts(products.query_heads @ power(metric(x).covariance, 0.5) * scale,
+                            products.key_heads @ power(metric(y).covariance, 0.5))
+    reference = fit_collaborative(whitened, 6)
+    expected = torch.einsum("ar,hr,br->hab", power(metric(x).covariance, -0.5) @ reference.factors.shared_query,
+                            reference.factors.mixing / scale[:, :, 0], power(metric(y).covariance, -0.5)
+                            @ reference.factors.shared_key)
+    # to the float32 ALS's precision: the old path multiplied its float32 rows out before the inverse
+    assert float((fit.factors.dense() - expected).abs().max()) < 1e-5 * float(expected.abs().max())
+
+
 def test_calibrated_full_rank_stays_exact():
     g = torch.Generator().manual_seed(4)
     products = HeadProducts.from_projections(torch.randn(24, 24, generator=g), torch.randn(24, 24, generator=g), 4)

@@ -5,6 +5,7 @@ projections (format.py) as the checkpoint streams past (streaming.py)."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,8 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
             layer_fit, bias, seconds = fitted
             started -= seconds
             projections = source.read_projections(layer)
+            # the refinement reads the samples alone: the covariances (2 D_in^2 float64) are let go before it
+            metric = replace(metric, query=None, key=None)
         else:
             projections, layer_fit, bias = _fit(source, layer, options, rank, metric, progress, labels,
                                                 key_metrics)
@@ -84,7 +87,7 @@ def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[
     fitted, its held-out attention KL measured, and `refine_steps` x layers steps shared out in proportion to
     those KLs (decompose/refinement.share_steps). A resumed run reuses the split it saved, so its output stays
     byte-identical; its layers are fitted again as they come."""
-    from ...decompose.refinement import AttentionTarget, share_steps
+    from ...decompose.refinement import share_steps
 
     saved = finished.load_plan() if finished else None
     if saved is not None:
@@ -94,22 +97,34 @@ def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[
     fits = SpillFolder(metrics.folder.parent / "fits") if isinstance(metrics, SpillFolder) else {}
     losses = []
     for layer in source.shard_by_shard():  # else each fit's pages stay resident until writing begins
-        rank, metric = ranks[layer.prefix], metrics[layer.prefix]
-        started = time.perf_counter()
-        projections, fit, bias = _fit(source, layer, options, rank, metric, progress, labels)
-        fits[layer.prefix] = fit, bias, time.perf_counter() - started
-        if rank >= layer.shape.key_dim or not metric.query_samples:
-            losses.append(0.0)
-            continue
-        target = AttentionTarget(metric.query_samples, metric.key_samples, projections.query_weight,
-                                 projections.query_bias, projections.key_weight, layer.shape.num_heads,
-                                 score_scale(layer, metric), layer.causal, getattr(metric, "position_bias", None),
-                                 device=options.device, head_weights=fit.head_weights)
-        losses.append(target.held_out_kl((fit.factors.shared_query, fit.factors.shared_key, fit.factors.mixing, bias)))
+        # straight into `fits` (on disk where they spill): no variable here holds a layer's fit past its turn
+        fits[layer.prefix], loss = _fit_scored(source, layer, options, ranks[layer.prefix], metrics[layer.prefix],
+                                               progress, labels)
+        losses.append(loss)
     steps = dict(zip(fits, share_steps(losses, options.refine_steps * len(source.layers)), strict=True))
     if finished:
         finished.save_plan(steps)
     return fits, steps
+
+
+def _fit_scored(source: SourceModel, layer: AttentionLayer, options: CompressOptions, rank: int, metric,
+                progress: Progress, labels: dict[str, str]):
+    """((fit, content bias, seconds), held-out attention KL) of one layer. A function of its own so that nothing of
+    a layer (its statistics, samples, projections, fit) is still held while the next one is fitted: the loop's
+    variables held 30-40 MB of the last layer's at a 12-layer GPT-2-medium-shaped checkpoint's fitting peak."""
+    from ...decompose.refinement import AttentionTarget
+
+    started = time.perf_counter()
+    projections, fit, bias = _fit(source, layer, options, rank, metric, progress, labels)
+    seconds = time.perf_counter() - started
+    if rank >= layer.shape.key_dim or not metric.query_samples:
+        return (fit, bias, seconds), 0.0
+    target = AttentionTarget(metric.query_samples, metric.key_samples, projections.query_weight,
+                             projections.query_bias, projections.key_weight, layer.shape.num_heads,
+                             score_scale(layer, metric), layer.causal, getattr(metric, "position_bias", None),
+                             device=options.device, head_weights=fit.head_weights)
+    return (fit, bias, seconds), target.held_out_kl((fit.factors.shared_query, fit.factors.shared_key,
+                                                      fit.factors.mixing, bias))
 
 
 def score_scale(layer: AttentionLayer, metric) -> float:
