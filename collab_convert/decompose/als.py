@@ -161,7 +161,7 @@ def fit_collaborative(
         errors["shared subspace"] = relative_error(products, candidates["shared subspace"])
     init_name = min(errors, key=errors.get)
     factors, history, iterations = candidates[init_name], [errors[init_name]], 0
-    if own_products:  # at D_in = 1024, 16 heads: 32 MB of head bases and 10 MB of the start not chosen
+    if own_products:  # 32 MB of head bases at D_in = 1024, 16 heads; the start not chosen
         products.forget_head_factors()
         candidates.clear()
     # At full rank the per-head start is exact; the factored error formula only resolves it to ~1e-8.

@@ -214,14 +214,14 @@ def _original_attention(queries, keys, query_weight, query_bias, key_weight, num
 def attention_key_covariance(queries, keys, query_weight, query_bias, key_weight, num_heads: int, scaling: float,
                              causal: bool = False, position_bias=None, device=HOST, seed: int = 0) -> torch.Tensor:
     """The key-side inputs' covariance as the original attention sees them, (D, D) in float64: over the heads and
-    the query rows (HELD_OUT_ROWS of each sequence), the covariance of y under each row's attention p. To second
-    order, the attention KL of a logit error e_k = x^T E y_k is half its variance under p: a key that gets no
-    attention, or the one key a saturated row attends to, costs nothing. Whitening the key side with this metric
-    instead of the keys' spread fits the logits where the softmax listens: on all-MiniLM-L6-v2 at rank ~192 the
-    fit's held-out KL fell by 3-35% a layer, most of the way to where 200 refinement steps took the plain fit.
-    Summed per sequence as Y^T (diag(column sums of P) - sum_i P_i^T P_i) Y: no product per head and row, and a
-    shift common to a sequence's keys drops out (the rows of that matrix sum to 0). Each sequence's (D, D) part is
-    added in turn (bit for bit a batched sum), not all at once: 64 MB at D = 1024, 1 GB at D = 4096."""
+    the query rows (HELD_OUT_ROWS of each sequence), the covariance of y under each row's attention p,
+    sum_k p_k y_k y_k^T - (sum_k p_k y_k)(sum_k p_k y_k)^T. To second order, the attention KL of a logit error
+    e_k = x^T E y_k is half its variance under p: a key that gets no attention, or the one key a saturated row
+    attends to, costs nothing, so whitening the key side with it fits the logits where the softmax listens
+    (docs/how-it-works.md). Summed per sequence as Y^T (diag(column sums of P) - sum_i P_i^T P_i) Y: no product per
+    head and row, and a shift common to a sequence's keys drops out (the rows of that matrix sum to 0). Each
+    sequence's (D, D) part is added in turn (bit for bit a batched sum), not all at once: 64 MB at D = 1024, 1 GB
+    at D = 4096."""
     total, rows = None, 0
     for batch in _original_attention(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal,
                                      position_bias, rows=HELD_OUT_ROWS, seed=seed, device=device,
