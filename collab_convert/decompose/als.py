@@ -188,8 +188,7 @@ def fit_collaborative(
 def _balanced(factors: CollaborativeFactors, row_weights: tuple[torch.Tensor, torch.Tensor] | None):
     """factors.balanced(), and the row weights that give its shared query and key."""
     query_scale, key_scale, mixing_scale = factors.balancing_scales()
-    balanced = CollaborativeFactors(factors.shared_query * query_scale, factors.shared_key * key_scale,
-                                    factors.mixing * mixing_scale)
+    balanced = factors.scaled(query_scale, key_scale, mixing_scale)
     return balanced, None if row_weights is None else (row_weights[0] * query_scale, row_weights[1] * key_scale)
 
 

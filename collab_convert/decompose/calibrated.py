@@ -120,5 +120,6 @@ def fit_calibrated(
     approximate = ((mean @ factors.shared_query) * factors.mixing) @ factors.shared_key.T
     correction = exact - approximate
     # The reported error is the whitened one: the share of logit energy on real inputs that is lost. The
-    # truncation of the whitened products is no baseline for the raw ones: not reported.
-    return replace(fit, factors=factors, per_head_truncation_error=None), correction
+    # truncation of the whitened products is no baseline for the raw ones: not reported. Its row weights combine
+    # the whitened rows into the fit before it was carried back and balanced again: no longer these factors'.
+    return replace(fit, factors=factors, per_head_truncation_error=None, row_weights=None), correction

@@ -129,7 +129,11 @@ class CollaborativeFactors:
 
     def balanced(self) -> "CollaborativeFactors":
         """Give each of the three factors the same column norm, so low-precision storage loses least."""
-        query_scale, key_scale, mixing_scale = self.balancing_scales()
+        return self.scaled(*self.balancing_scales())
+
+    def scaled(self, query_scale: torch.Tensor, key_scale: torch.Tensor,
+               mixing_scale: torch.Tensor) -> "CollaborativeFactors":
+        """Each factor's columns multiplied by its scale."""
         return CollaborativeFactors(self.shared_query * query_scale, self.shared_key * key_scale,
                                     self.mixing * mixing_scale)
 
