@@ -16,6 +16,7 @@ import torch
 
 from ..devices import HOST, Device, training_products
 from .held_out_adam import adam_with_held_out, held_out_count
+from .mixed_scores import mixed_scores
 from .products import CollaborativeFactors
 
 # Adam's step, as a share of each tensor's typical entry, and what one step sees. Measured on all-MiniLM-L6-v2,
@@ -85,15 +86,14 @@ def _collaborative_kl(parameters, batch: _Batch, scaling: float, products: torch
     """Mean KL(original || collaborative) over the batch's real attention rows; the three matrix products run in
     `products` (devices.training_products), softmax and the KL in float32."""
     shared_query, shared_key, mixing, bias = parameters
-    (size, n, _), m, (heads, rank) = batch.x.shape, batch.y.shape[1], mixing.shape
-    # The packed key [y W~_K, y r_1 .. y r_N] in one product; every head scores against the one shared key in a
-    # single batched product (heads x queries as rows), never a per-head copy of it: as the runtime does. The
-    # scaling rides on the small factors, and the content bias joins the mask before the one full-size add.
+    rank = mixing.shape[1]
+    # The packed key [y W~_K, y r_1 .. y r_N] in one product; the heads score against the one shared key, never
+    # a per-head copy of it, as the runtime does, and their per-head queries are made a few heads at a time
+    # (mixed_scores). The scaling rides on the small factors, and the content bias joins the mask.
     packed = product_in(batch.y, torch.cat([shared_key, bias.T], 1), products)  # (B, m, R + H)
-    per_head_q = product_in(batch.x, shared_query, products).unsqueeze(1) * (mixing * scaling)[None, :, None, :]
-    scores = product_in(per_head_q.reshape(size, heads * n, rank), packed[..., :rank].transpose(1, 2), products)
+    scores = mixed_scores(product_in(batch.x, shared_query, products), mixing * scaling, packed[..., :rank], products)
     per_key = (packed[..., rank:] * scaling).transpose(1, 2).unsqueeze(2) + batch.mask  # (B, H, 1 | n, m)
-    log_q = torch.log_softmax(scores.view(size, heads, n, m) + per_key, dim=-1)
+    log_q = torch.log_softmax(scores + per_key, dim=-1)
     return (batch.entropy - (batch.target_p * log_q).sum()) / batch.rows
 
 
