@@ -160,14 +160,17 @@ def fit_collaborative(
         candidates["shared subspace"] = shared_subspace_init(products, subspaces, rank)
         errors["shared subspace"] = relative_error(products, candidates["shared subspace"])
     init_name = min(errors, key=errors.get)
-    factors, history, iterations = candidates[init_name], [errors[init_name]], 0
+    history, iterations, row_weights = [errors[init_name]], 0, None
     if own_products:  # 32 MB of head bases at D_in = 1024, 16 heads; the start not chosen
         products.forget_head_factors()
-        candidates.clear()
+        candidates = {init_name: candidates[init_name]}
     # At full rank the per-head start is exact; the factored error formula only resolves it to ~1e-8.
-    row_weights = None
-    if rank < products.full_rank and errors[init_name] > EXACT:
-        factors, iterations, row_weights = _als(products, factors, history, max_iterations, tolerance, device)
+    if rank < products.full_rank and errors[init_name] > EXACT and max_iterations > 0:
+        # handed over, not held here: the ALS lets the start go once it has read it (float64, 2 D_in R)
+        factors, iterations, row_weights = _als(products, candidates.pop(init_name), history, max_iterations,
+                                                tolerance, device)
+    else:
+        factors = candidates[init_name]
 
     factors, row_weights = _balanced(factors, row_weights)
     return FitResult(
@@ -207,31 +210,44 @@ def _als(core: HeadProducts, start: CollaborativeFactors, history: list[float], 
     not improve: embedding cosine 0.9915 / 1st percentile 0.9794 against 0.9941 / 0.9852. Not kept.
     """
     als = _FactoredALS(core, ALS_DTYPE, device)
-    error = history[-1]
-    state = als.start(*(t.to(device=device, dtype=ALS_DTYPE) for t in (start.shared_key, start.mixing)), error)
-    power = 3.0  # extrapolation step iteration^(1/power), grown more timid after each failed jump
+    state = als.start(*(t.to(device=device, dtype=ALS_DTYPE) for t in (start.shared_key, start.mixing)),
+                      history[-1])
+    del start  # the caller handed it over: its float64 factors are not held through the sweeps
+    state, iterations = _iterate(als, state, history, max_iterations, tolerance)
+    shared_query, shared_key, mixing = als.factors(state)
+    weights = state.query_weights, state.key_weights
+    del als, state  # the heads' rows and Gram matrices, before the float64 copies are made
+    factors = CollaborativeFactors(*(t.to(device="cpu", dtype=COMPUTE_DTYPE) for t in (shared_query, shared_key,
+                                                                                         mixing)))
+    return factors, iterations, tuple(t.to(device="cpu", dtype=COMPUTE_DTYPE) for t in weights)
+
+
+def _iterate(als: "_FactoredALS", state: "_ALSState", history: list[float], max_iterations: int,
+             tolerance: float) -> tuple["_ALSState", int]:
+    """(the last state, iterations run) of the sweeps from `state`; a function of its own so that only the last
+    state outlives it."""
+    error, power = history[-1], 3.0  # extrapolation step iteration^(1/power), grown more timid after each failure
     iterations = 0
     for iterations in range(1, max_iterations + 1):
         previous = state
         state = als.sweep(state)
         # Bro's line search: CP-ALS crawls through long swamps; a jump along the last step often lands far
-        # ahead. The jump is kept only if it lowers the error, so the fit stays monotone.
+        # ahead. The jump is kept only if it lowers the error, so the fit stays monotone. It is made in the
+        # previous state's tensors, which nothing reads after it: two states held, not three.
         if iterations > 1:
             jump = als.extrapolate(previous, state, iterations ** (1.0 / power))
             if jump.error < state.error:
                 state = jump
             else:
                 power += 1.0
+            del jump
+        del previous
         history.append(state.error)
         improvement = error - state.error
         error = state.error
         if improvement < tolerance * error or error < EXACT:
             break
-    if not iterations:
-        return start, 0, None
-    factors = CollaborativeFactors(*(t.to(device="cpu", dtype=COMPUTE_DTYPE) for t in als.factors(state)))
-    weights = tuple(t.to(device="cpu", dtype=COMPUTE_DTYPE) for t in (state.query_weights, state.key_weights))
-    return factors, iterations, weights
+    return state, iterations
 
 
 @dataclass
@@ -292,9 +308,10 @@ class _FactoredALS:
         return weights, projected.reshape(*self.head_shape, -1), weights.T @ projected  # q^T q = w^T Q Q^T w
 
     def extrapolate(self, previous: _ALSState, current: _ALSState, step: float) -> _ALSState:
-        """The state at current + (step - 1) (current - previous), with its best mixing."""
+        """The state at current + (step - 1) (current - previous), with its best mixing, made in `previous`'s
+        tensors (which it overwrites)."""
         def ahead(name: str) -> torch.Tensor:  # previous + step (current - previous), in one pass
-            return torch.lerp(getattr(previous, name), getattr(current, name), step)
+            return getattr(previous, name).lerp_(getattr(current, name), step)
 
         qw, kw, qproj, kproj = (ahead(name) for name in ("query_weights", "key_weights", "query_projected",
                                                            "key_projected"))

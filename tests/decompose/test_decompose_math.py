@@ -117,6 +117,49 @@ def test_als_error_history_never_increases():
     assert all(b <= a + 1e-12 for a, b in zip(fit.history, fit.history[1:]))
 
 
+def test_a_fit_of_its_own_products_holds_no_float64_start_while_it_sweeps(monkeypatch):
+    """At rank 768 and D_in = 1024 the start is 12.6 MB of float64 factors: the ALS reads it once, and nothing
+    holds it through the sweeps."""
+    import gc
+    import weakref
+
+    from collab_convert.decompose import als
+
+    starts, alive = [], []
+    truncation, iterate = als._per_head_truncation, als._iterate
+
+    def watched_start(products, rank):
+        factors, error = truncation(products, rank)
+        starts.append(weakref.ref(factors.shared_query))
+        return factors, error
+
+    def watched_sweeps(*args, **kwargs):
+        gc.collect()
+        alive.append(starts[-1]() is not None)
+        return iterate(*args, **kwargs)
+
+    monkeypatch.setattr(als, "_per_head_truncation", watched_start)
+    monkeypatch.setattr(als, "_iterate", watched_sweeps)
+    fit = fit_collaborative(random_products(heads=5, head_dim=6, d_in=24, seed=4), 12, own_products=True)
+    assert fit.iterations > 0 and alive == [False]
+
+
+def test_the_line_searchs_jump_is_made_in_the_previous_states_tensors_and_fits_as_before():
+    """Two ALS states are held at a time, not three; the jump is the same extrapolation either way."""
+    from collab_convert.decompose.als import ALS_DTYPE, _FactoredALS
+
+    products = random_products(heads=5, head_dim=6, d_in=24, seed=4)
+    fitter = _FactoredALS(products, ALS_DTYPE)
+    start = per_head_truncation(products, 12)
+    previous = fitter.sweep(fitter.start(start.shared_key.float(), start.mixing.float(), 1.0))
+    current = fitter.sweep(previous)
+    expected = torch.lerp(previous.query_weights, current.query_weights, 1.5)
+    storage = previous.query_weights.data_ptr()
+    jump = fitter.extrapolate(previous, current, 1.5)
+    assert jump.query_weights.data_ptr() == storage
+    assert torch.equal(jump.query_weights, expected)
+
+
 def test_fit_is_deterministic():
     products = random_products(seed=5)
     a = fit_collaborative(products, 9)
