@@ -36,9 +36,9 @@ class _Average:
             yield
             return
         last = [p.detach().clone() for p in self.parameters]
-        with torch.no_grad():
+        with torch.no_grad():  # divided where it lands: no third copy of the parameters
             for parameter, total in zip(self.parameters, self.sums, strict=True):
-                parameter.copy_(total / (1 - self.decay**self.steps))
+                parameter.copy_(total).div_(1 - self.decay**self.steps)
         try:
             yield
         finally:
@@ -88,17 +88,18 @@ def adam_with_held_out(parameters: list[torch.Tensor], minibatch_loss, held_out_
         if taken <= warmup:
             for group, rate in zip(optimizer.param_groups, rates, strict=True):
                 group["lr"] = rate * taken / warmup
-        optimizer.zero_grad()
         minibatch_loss().backward()
         optimizer.step()
+        optimizer.zero_grad()  # the gradients let go before the check, not kept beside its copies
         average.add()
         if taken % check_every == 0 or taken == steps:
             with average.in_place():
                 loss = held_out_loss()
                 if on_check is not None:
                     on_check(taken, loss)
-                if loss < state.best_loss:
-                    state = _Progress([p.detach().clone() for p in parameters], loss)
+                if loss < state.best_loss:  # copied into the best's tensors: no new copy beside the old
+                    torch._foreach_copy_(state.best, [p.detach() for p in parameters])
+                    state.best_loss, state.stale = loss, 0
                 else:
                     state.stale += 1
             if state.stale >= patience:

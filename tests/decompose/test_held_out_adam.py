@@ -73,3 +73,32 @@ def test_a_warmed_up_rate_rises_linearly_over_the_first_steps_then_stays():
     adam_with_held_out(parameters, minibatch_loss, lambda: 0.0, 6, 0.01, averaging=0.0, warmup=4)
     moves = [float(before[0] - after[0]) for before, after in zip(seen, seen[1:] + [parameters[0].detach()])]
     assert [round(move / 0.01, 4) for move in moves] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+
+
+def test_a_check_sees_no_gradients_and_keeps_the_best_in_the_tensors_it_started_with():
+    """At a check, the parameters, Adam's moments, the average, the best and the last step are held: no
+    gradients beside them, and a better average is copied into the best's tensors, not into new ones."""
+    import weakref
+
+    parameters, minibatch_loss, held_out_loss = _noisy_quadratic(2)
+    gradients, best_tensors = [], []
+
+    def checked():
+        gradients.append(parameters[0].grad)
+        return held_out_loss()
+
+    clone = torch.Tensor.clone
+
+    def watched_clone(tensor, *args, **kwargs):  # the start's copy is the only best there is
+        copy = clone(tensor, *args, **kwargs)
+        best_tensors.append(weakref.ref(copy))
+        return copy
+
+    torch.Tensor.clone = watched_clone
+    try:
+        best, initial, best_loss, taken = adam_with_held_out(parameters, minibatch_loss, checked, 100, 0.05)
+    finally:
+        torch.Tensor.clone = clone
+    assert best_loss < initial and taken == 100
+    assert gradients[1:] and all(g is None for g in gradients)
+    assert any(ref() is best[0] for ref in best_tensors[:2])  # made before the first step
