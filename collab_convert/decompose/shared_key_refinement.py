@@ -83,7 +83,8 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
     (else the mean attention KL(original || shared) per head and query; see the module docstring), with a value
     latent refined together with the key where one is given. The steps run on `device`; the samples wait in host
     memory, and the result comes back there. `consume`: the samples' tensors are let go once stacked (the caller
-    reads them no more; where none are held out, only after the checks' copy), not held beside their stacked copy."""
+    reads them no more; where none are held out, only after the checks' copy), not held beside their stacked copy,
+    and factors already in float32 on `device` become the parameters themselves (changed in place), not copied."""
     slots = slot_frequencies(factors.ranks).to(device)
     setting = setting.on(device)
     held = held_out_count(len(samples))
@@ -96,7 +97,8 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
     # this costs nothing at inference): the PCA's per-group ones are where they start
     per_head = (values.down, values.up[geometry.group_of_head]) if values is not None else ()
     start = (factors.key_mixing, factors.query_core, factors.pass_core) + per_head
-    parameters = [t.to(device, torch.float32).clone().requires_grad_(True) for t in start]
+    parameters = [(t.to(device, torch.float32) if consume else t.to(device, torch.float32).clone()).detach()
+                  .requires_grad_(True) for t in start]
 
     def held_out() -> float:
         with torch.no_grad():

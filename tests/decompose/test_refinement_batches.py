@@ -240,6 +240,29 @@ def test_a_refinement_that_consumes_its_samples_refines_as_one_that_keeps_them()
         assert torch.equal(kept.factors.query_core, consumed.factors.query_core)
 
 
+def test_consumed_float32_factors_are_refined_in_their_own_tensors_to_the_same_result():
+    """Where the caller hands over float32 factors with its samples (consume), their tensors become the
+    parameters: no copy of them sits beside the parameters, and the result is the float64 start's."""
+    from dataclasses import replace
+
+    from collab_convert.decompose.shared_key_refinement import refine_shared_key
+
+    results = []
+    for in_float32 in (False, True):
+        samples, setting, factors = sequences_and_setting(seed=7)
+        more, _, _ = sequences_and_setting(seed=8)
+        samples = recorded((samples + more)[:12], setting)
+        if in_float32:
+            factors = replace(factors, key_mixing=factors.key_mixing.float(), query_core=factors.query_core.float(),
+                              pass_core=factors.pass_core.float())
+            start = factors.key_mixing.clone()
+        results.append(refine_shared_key(samples, factors, GEOMETRY, setting, steps=6, consume=True))
+    from_float64, from_float32 = results
+    assert from_float32.loss_after == from_float64.loss_after and from_float32.steps == from_float64.steps
+    assert torch.equal(from_float32.factors.key_mixing, from_float64.factors.key_mixing.float())
+    assert not torch.equal(factors.key_mixing, start)  # the handed-over tensor was the parameter Adam moved
+
+
 def test_the_quadratic_error_has_the_plain_errors_value_and_gradient():
     """|R W^T - T|^2 = R.(R G - 2 T W) + |T|^2 with G = W^T W, and its gradient is 2 (R G - T W): the value and
     the gradient of the plain error, in float64 exactly, with padded rows weighing nothing."""

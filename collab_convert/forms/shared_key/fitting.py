@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -120,12 +121,10 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
     labels = layer_labels(source)
 
     def fit(layer: AttentionLayer, progress: Progress):
-        calibration = calibrations[layer.prefix] if calibrations else None
-        stage = "refining" if calibration is not None and calibration.samples and options.refine_steps else "fitting"
-        progress(f"{stage}{DETAIL}{labels[layer.prefix]}", source.layers.index(layer), len(source.layers))
-        # a calibration record carries the statistics: one read of it, not two (it may wait on disk)
-        layer_statistics = calibration.statistics if calibration is not None else statistics[layer.prefix]
-        return _fit_layer(source, layer, ranks[layer.prefix], layer_statistics, normed, calibration, options)
+        def announce(stage: str):
+            progress(f"{stage}{DETAIL}{labels[layer.prefix]}", source.layers.index(layer), len(source.layers))
+
+        return _fit_layer(source, layer, ranks[layer.prefix], statistics, calibrations, normed, options, announce)
 
     # Refined layers one at a time, on every thread: side by side (one torch thread each) they took 0.57-0.97 of
     # the time, but held two layers' refinement at once, which broke the memory bound (a 12-layer GPT-2-medium-
@@ -136,23 +135,39 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
                           guarded=True)
 
 
-def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, statistics: KeyStatistics,
-               normed: bool, calibration, options: CompressOptions):
+def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, statistics: Mapping[str, KeyStatistics],
+               calibrations, normed: bool, options: CompressOptions, announce):
     started = time.perf_counter()
-    weights = source.layout.read(source.reader, layer)
-    factors = fit_shared_key(statistics, geometry_of(layer), ranks)
+    # The calibration record (fresh from disk, where it waits) is read here and let go, not held by a caller: its
+    # statistics, a (G d)^2 float64 key covariance at a layer without rotation (8 MB at GPT-2-medium's width), are
+    # then not held through the refinement's steps
+    calibration = calibrations[layer.prefix] if calibrations else None
+    samples, setting = (calibration.samples, calibration.setting) if calibration is not None else (None, None)
+    announce("refining" if samples and options.refine_steps else "fitting")
+    geometry = geometry_of(layer)
+    factors = fit_shared_key(calibration.statistics if calibration is not None else statistics[layer.prefix],
+                             geometry, ranks)
+    calibrated, calibration = calibration is not None, None
     refinement = None
-    if calibration is not None and calibration.samples and ranks != KeyRanks.full(geometry_of(layer)):
+    if samples and ranks != KeyRanks.full(geometry):
         from ...decompose.shared_key_refinement import refine_shared_key
 
+        # the refinement works in float32, on these tensors themselves (consume): neither the float64 fit nor a
+        # copy of it is held beside its parameters (6 MB a tensor at GPT-2-medium's width and rank 768). The
+        # result is the same: the refined float32 numbers are what is kept
+        factors = replace(factors, key_mixing=factors.key_mixing.float(), query_core=factors.query_core.float(),
+                          pass_core=factors.pass_core.float())
         with reused_heap(keep_top=True):  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
-            refined = refine_shared_key(calibration.samples, factors, geometry_of(layer), calibration.setting,
-                                        steps=options.refine_steps, seed=options.seed, device=options.device,
-                                        consume=True, batch_sequences=STEP_SEQUENCES)
+            refined = refine_shared_key(samples, factors, geometry, setting, steps=options.refine_steps,
+                                        seed=options.seed, device=options.device, consume=True,
+                                        batch_sequences=STEP_SEQUENCES)
         factors = refined.factors
         refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
                       "objective": refined.objective, "loss_before": refined.loss_before,
                       "loss_after": refined.loss_after}
+    samples = setting = None
+    # read after the refinement: the layer's projections are not held through its steps
+    weights = source.layout.read(source.reader, layer)
     dtype, p = weights.query_weight.dtype, layer.prefix
     tensors: dict[str, torch.Tensor] = {}
     for suffix in ("weight", "bias"):
@@ -161,9 +176,9 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, stat
     if normed:
         tensors[f"{p}.{KEY_MIXING}"] = factors.key_mixing
     else:
-        tensors[f"{p}.{SHARED_KEY}"] = factors.key_mixing @ weights.key_weight.double()
+        tensors[f"{p}.{SHARED_KEY}"] = factors.key_mixing.double() @ weights.key_weight.double()
         if weights.key_bias is not None:
-            tensors[f"{p}.{SHARED_KEY_BIAS}"] = factors.key_mixing @ weights.key_bias.double()
+            tensors[f"{p}.{SHARED_KEY_BIAS}"] = factors.key_mixing.double() @ weights.key_bias.double()
     for suffix in ("weight", "bias"):
         if f"{p}.{FUSED_VALUE}.{suffix}" in weights.kept:
             tensors[f"{p}.{FUSED_VALUE}.{suffix}"] = weights.kept[f"{p}.{FUSED_VALUE}.{suffix}"]
@@ -172,7 +187,7 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, stat
         tensors[f"{p}.{PASS_CORE}"] = factors.pass_core
     tensors = {name: tensor.to(dtype).contiguous() for name, tensor in tensors.items()}
     report = _report(source, layer, factors, time.perf_counter() - started)
-    if calibration is not None:
+    if calibrated:
         report.logit_error, report.refinement = factors.lost_energy, refinement
     return report, tensors
 
@@ -195,7 +210,7 @@ def _report(source: SourceModel, layer: AttentionLayer, factors, seconds: float)
 
 def key_spectrum_values(factors) -> list[float]:
     """The kept shared key's per-slot scale, largest first: what the spectra plot shows of shared-key layers."""
-    return rounded(sorted(factors.key_mixing.norm(dim=1).tolist(), reverse=True))
+    return rounded(sorted(factors.key_mixing.double().norm(dim=1).tolist(), reverse=True))
 
 
 def write_shared_key_config(source: SourceModel, reports: list[SharedKeyLayerReport], folder: Path,
