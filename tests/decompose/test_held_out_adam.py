@@ -102,3 +102,24 @@ def test_a_check_sees_no_gradients_and_keeps_the_best_in_the_tensors_it_started_
     assert best_loss < initial and taken == 100
     assert gradients[1:] and all(g is None for g in gradients)
     assert best_tensors[0]() is best[0]  # the start's copy, made before the first step, holds the best
+
+
+def test_what_the_setup_freed_is_handed_back_once_before_the_first_step(monkeypatch):
+    """The heap's free pages go back to the system after the start's held-out loss and before the first step,
+    once: the steps' working set then grows from what is live, not on top of the setup's leftovers."""
+    from collab_convert.decompose import held_out_adam
+
+    events = []
+    monkeypatch.setattr(held_out_adam, "return_freed_heap", lambda: events.append("handed back"))
+    parameters, minibatch_loss, held_out_loss = _noisy_quadratic(3)
+
+    def step_loss():
+        events.append("step")
+        return minibatch_loss()
+
+    def checked():
+        events.append("check")
+        return held_out_loss()
+
+    adam_with_held_out(parameters, step_loss, checked, 3, 0.05, check_every=2)
+    assert events == ["check", "handed back", "step", "step", "check", "step", "check"]
