@@ -216,6 +216,8 @@ def head_logits(model, given_output, input_ids: torch.Tensor) -> torch.Tensor:
 
 # Positions whose float32 next-token distributions are formed at once: 32 rows of a 50k vocabulary are 6 MB a
 # tensor, where a text's whole (128 positions) were 26 MB, six times over (two models, exp, difference, product).
+# The KL's terms are then formed in the two distributions' own tensors: its plain expression's three temporaries
+# were 19 MB more at the fidelity check's peak (benchmarks/memory.py, the shared-key form at rank 768).
 DISTRIBUTION_ROWS = 32
 
 
@@ -227,7 +229,8 @@ def _next_token_agreement(base_logits: torch.Tensor, model_logits: torch.Tensor)
         p = torch.log_softmax(base_logits[first : first + DISTRIBUTION_ROWS].float(), -1)
         q = torch.log_softmax(model_logits[first : first + DISTRIBUTION_ROWS].float(), -1)
         agree += int((p.argmax(-1) == q.argmax(-1)).sum())
-        kl_sum += float((p.exp() * (p - q)).sum())
+        difference = q.neg_().add_(p)  # p - q, in q's tensor (the same float32 numbers as the subtraction's)
+        kl_sum += float(p.exp_().mul_(difference).sum())
     return agree, kl_sum
 
 

@@ -334,3 +334,23 @@ def test_next_token_figures_formed_a_few_positions_at_a_time_equal_the_whole_mat
     agree, kl_sum = _next_token_agreement(base, model)
     assert agree == int((p.argmax(-1) == q.argmax(-1)).sum()) and 0 < agree < len(base)
     assert kl_sum == pytest.approx(float((p.exp() * (p - q)).sum()), rel=1e-5)
+
+
+def test_next_token_figures_formed_in_place_are_the_plain_expressions_and_leave_the_logits_alone():
+    """The KL's terms are formed in the distributions' own tensors (no temporaries beside them at the check's
+    peak): the same numbers, to the bit, as the plain expression on each few positions, and the float32 logits the
+    heads give are not written to."""
+    from collab_convert.integration.fidelity import DISTRIBUTION_ROWS, _next_token_agreement
+
+    generator = torch.Generator().manual_seed(4)
+    base = torch.randn(2 * DISTRIBUTION_ROWS + 3, 700, generator=generator)
+    model = base + 0.3 * torch.randn(base.shape, generator=generator)
+    before = (base.clone(), model.clone())
+    agree, kl_sum = 0, 0.0
+    for first in range(0, len(base), DISTRIBUTION_ROWS):
+        p = torch.log_softmax(base[first : first + DISTRIBUTION_ROWS], -1)
+        q = torch.log_softmax(model[first : first + DISTRIBUTION_ROWS], -1)
+        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+        kl_sum += float((p.exp() * (p - q)).sum())
+    assert _next_token_agreement(base, model) == (agree, kl_sum)
+    assert torch.equal(base, before[0]) and torch.equal(model, before[1])
