@@ -112,6 +112,8 @@ def _stages(source: SourceModel, form: Form, form_plan: FormPlan, options: Compr
     sizes, size_choice = form.sizes(source, options, form_plan, statistics, estimator, progress)
     finished = FinishedLayers(staged.finished_work, form.report_type)
     reports, files = form.convert(source, options, sizes, statistics, staged.folder, progress, finished)
+    if kept is not None:
+        kept.fetch()  # where they wait in the scratch folder, which goes now
     staged.drop_scratch()
     files += copy_non_weight_files(source.folder, staged.folder)
     result = CompressResult(

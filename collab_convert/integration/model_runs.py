@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,14 +60,38 @@ class KeptStates:
 
     texts: list[str]
     max_length: int
-    states: list[torch.Tensor] | None = None
+    states: Sequence[torch.Tensor] | None = None  # in memory, or on disk until the check (ParkedStates)
     as_tuple: bool = False  # the blocks return tuples, the states first
     stack: list[str] | None = None  # the blocks' names within the body
+
+    def fetch(self) -> None:
+        """The states back in memory where they wait on disk (ParkedStates): before their folder goes."""
+        if isinstance(self.states, ParkedStates):
+            self.states = list(self.states)
 
     def serve(self, texts: list[str], max_length: int, stack: list[str] | None, batches: int) -> bool:
         """Whether these states are the stack's output on exactly this check's batches."""
         return (self.states is not None and stack is not None and stack == self.stack and texts == self.texts
                 and max_length == self.max_length and len(self.states) == batches)
+
+
+class ParkedStates(Sequence):
+    """Kept states waiting in a file (the calibration's scratch folder) from the calibration pass to the fidelity
+    check, read whole when iterated: held in memory, they sat under the peak of every stage between (7.5 MB for
+    32 texts at GPT-2-medium's width, benchmarks/memory.py)."""
+
+    def __init__(self, states: list[torch.Tensor], path: Path):
+        torch.save(states, path)
+        self.path, self.count = path, len(states)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index):
+        return torch.load(self.path, weights_only=True)[index]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(torch.load(self.path, weights_only=True))
 
 
 _KEEPING: ContextVar[KeptStates | None] = ContextVar("collab_kept_states", default=None)
@@ -196,7 +220,8 @@ def _by_block(folder: Path, plan, batches: CalibrationBatches, current: CurrentB
     if progress:
         progress(f"{label}, layer {len(blocks)}/{len(blocks)}", steps, steps)
     if probes:
-        kept.states = [runner.activations[f"hidden-{batch}"] for batch in probes]
+        kept.states = ParkedStates([runner.activations[f"hidden-{batch}"] for batch in probes],
+                                   run.scratch / "kept-states.pt")
         kept.as_tuple, kept.stack = runner.returns_tuple, [name for name, _ in blocks]
     return found
 

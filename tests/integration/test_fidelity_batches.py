@@ -248,7 +248,7 @@ def test_states_the_calibration_pass_kept_spare_the_check_the_originals_blocks(n
     from collab_convert.forms.shared_key.statistics import geometry_of
     from collab_convert.integration.capture import collect_statistics
     from collab_convert.integration.shared_key_capture import collect_shared_key_statistics
-    from collab_convert.integration.model_runs import KeptStates, keeping_states
+    from collab_convert.integration.model_runs import KeptStates, ParkedStates, keeping_states
 
     _, tokenizer = saved_twins(name, tmp_path, monkeypatch)
     source = open_model(str(tmp_path / "base"))
@@ -266,6 +266,9 @@ def test_states_the_calibration_pass_kept_spare_the_check_the_originals_blocks(n
     finally:
         source.close()
     assert kept.states is not None and len(kept.states) > 1
+    # between the pass and the check the states wait in the scratch folder, not in memory
+    assert isinstance(kept.states, ParkedStates) and kept.states.path.parent == tmp_path / "scratch"
+    kept_file = kept.states.path
 
     both, both_loads = offloaded_check(tmp_path, tokenizer, monkeypatch, prefixes)
     reused, reused_loads = offloaded_check(tmp_path, tokenizer, monkeypatch, prefixes, kept)
@@ -278,3 +281,9 @@ def test_states_the_calibration_pass_kept_spare_the_check_the_originals_blocks(n
     other = offloaded_check(tmp_path, tokenizer, monkeypatch, prefixes,
                             KeptStates(TEXTS[1:], 128, kept.states, kept.as_tuple, kept.stack))[1]
     assert len(other) == 2 * len(prefixes)
+    # fetched back into memory before the scratch folder goes, they serve the check as before
+    kept.fetch()
+    kept_file.unlink()
+    assert isinstance(kept.states, list)
+    fetched = offloaded_check(tmp_path, tokenizer, monkeypatch, prefixes, kept)[0]
+    assert fetched.kl_mean == reused.kl_mean and fetched.top1_agreement == reused.top1_agreement
