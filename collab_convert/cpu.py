@@ -63,12 +63,20 @@ def choose_threads(requested: int | None, default: int) -> tuple[int, str]:
 # (86 MB at 128 kernels, 56 MB at 32 or none), more as the model deepens, under the fidelity check's peak. None
 # kept made a shared-key refinement 1.35-1.5 times as slow (each product's kernel built anew); 32, no slower.
 PRIMITIVE_CACHE = "32"
+# ideep, PyTorch's layer over oneDNN, keeps its own cache of the same kernels (LRU_CACHE_CAPACITY, 1,024 by
+# default). With oneDNN's at 32, each refinement that met new product shapes still left about 1.6 MB behind: a
+# shared-key layer's width differs from its neighbours', so glibc's bytes in use at the fidelity check's entry grew
+# with depth (29 MB at 12 layers, 40 at 24). Both at 32: 13 MB at either depth, and SmolLM2's dumped layers refined
+# in the same time. 0 crashes ideep.
+KERNEL_CACHE = "32"
 
 
 def bound_primitive_cache() -> bool:
-    """Keep oneDNN's kernel cache to PRIMITIVE_CACHE entries, unless the environment sets it. oneDNN reads the
-    setting when it first builds a kernel, so this works where nothing in the process has multiplied through it
-    yet (a CLI run; a library caller's first job). Returns whether this call set it."""
+    """Keep oneDNN's kernel cache to PRIMITIVE_CACHE entries and ideep's to KERNEL_CACHE, each unless the
+    environment sets it. Both read their setting when they first build a kernel, so this works where nothing in
+    the process has multiplied through them yet (a CLI run; a library caller's first job). Returns whether this
+    call set oneDNN's."""
+    os.environ.setdefault("LRU_CACHE_CAPACITY", KERNEL_CACHE)
     if "ONEDNN_PRIMITIVE_CACHE_CAPACITY" in os.environ or "DNNL_PRIMITIVE_CACHE_CAPACITY" in os.environ:
         return False
     os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = PRIMITIVE_CACHE

@@ -118,3 +118,16 @@ def test_onednn_keeps_a_bounded_number_of_kernels_unless_the_environment_says_ot
         assert not cpu.bound_primitive_cache()
         assert os.environ[name] == "7" and os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "7") == "7"
         monkeypatch.delenv(name)
+
+
+def test_ideeps_own_kernel_cache_is_bounded_too_unless_the_environment_says_otherwise(monkeypatch):
+    """ideep, between PyTorch and oneDNN, keeps a second cache of the same kernels (LRU_CACHE_CAPACITY, 1,024 by
+    default), which grew the memory a run leaves behind with every new product shape: bounded with oneDNN's, and
+    a capacity the user set is left alone."""
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "7")  # set by the user: ideep's is bounded all the same
+    cpu.bound_primitive_cache()
+    assert os.environ["LRU_CACHE_CAPACITY"] == cpu.KERNEL_CACHE
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "5")
+    cpu.bound_primitive_cache()
+    assert os.environ["LRU_CACHE_CAPACITY"] == "5" and os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "7"
