@@ -165,8 +165,9 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, stat
         refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
                       "objective": refined.objective, "loss_before": refined.loss_before,
                       "loss_after": refined.loss_after}
+    # the samples and the setting (its float32 output projection) go before the projections are read, and those
+    # are read only now: neither is held beside what the refinement or the writing needs
     samples = setting = None
-    # read after the refinement: the layer's projections are not held through its steps
     weights = source.layout.read(source.reader, layer)
     dtype, p = weights.query_weight.dtype, layer.prefix
     tensors: dict[str, torch.Tensor] = {}
