@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cpu import return_freed_heap
+from ..cpu import return_freed_heap, reused_heap
 
 AVERAGING = 0.97  # the weight of the average's past at each step (Polyak averaging over about 30 steps)
 
@@ -58,8 +58,10 @@ def held_out_count(sequences: int) -> int:
 @dataclass
 class _Progress:
     best: list
+    initial: float
     best_loss: float
     stale: int = 0
+    taken: int = 0  # the steps taken when it stopped (out of patience), or all of them
 
 
 def adam_with_held_out(parameters: list[torch.Tensor], minibatch_loss, held_out_loss, steps: int,
@@ -75,22 +77,56 @@ def adam_with_held_out(parameters: list[torch.Tensor], minibatch_loss, held_out_
     averaging; measured on MiniLM's and SmolLM2's layers, the average after 60-80% of the steps was at or below
     the last step's held-out loss after all of them). `warmup`: the learning rate rises linearly over the first
     steps (Adam's first steps move every entry by about the full rate, whatever its gradient's size)."""
+    reported = None if on_check is None else (lambda taken, losses: on_check(taken, losses[0]))
+    (result,) = adam_with_held_out_groups([parameters], minibatch_loss, lambda which: [held_out_loss()], steps,
+                                          learning_rate, check_every, patience, averaging, warmup, reported)
+    return result
+
+
+def adam_with_held_out_groups(groups: list[list[torch.Tensor]], minibatch_loss, held_out_losses, steps: int,
+                              learning_rate: float, check_every: int = 20, patience: int = 5,
+                              averaging: float = AVERAGING, warmup: int = 0, on_check=None,
+                              typical: list[list[float]] | None = None) -> list[tuple]:
+    """adam_with_held_out for several independent groups of parameters (layers) whose losses are summed in
+    `minibatch_loss()`, so that one backward pass serves them all: `held_out_losses(indices)` gives the held-out
+    loss of each group named; each group keeps its own best and stops being checked after `patience` checks
+    without a gain, and the steps stop when every group has. One (best, start's loss, best loss, steps taken) per
+    group. `on_check(step, losses)`: the held-out losses of the groups checked. `typical`: each tensor's typical
+    entry, where its mean size says otherwise (a layer's tensors padded with zeros to another's shape)."""
+    parameters = [p for group in groups for p in group]
+    sizes = [size for group in typical for size in group] if typical else [
+        float(p.detach().abs().mean().clamp_min(1e-8)) for p in parameters]
     # fused: one kernel per step for all the tensors, where torch has one (CPU and CUDA); on SmolLM2's shared-key
     # layers Adam's own step was a tenth of a refinement step
     fused = all(p.device.type in ("cpu", "cuda") for p in parameters)
     optimizer = torch.optim.Adam(
-        [{"params": [p], "lr": learning_rate * float(p.detach().abs().mean().clamp_min(1e-8))} for p in parameters],
+        [{"params": [p], "lr": learning_rate * size} for p, size in zip(parameters, sizes, strict=True)],
         fused=fused or None,
     )
-    initial = held_out_loss()
-    state, taken = _Progress([p.detach().clone() for p in parameters], initial), 0
+    initial = held_out_losses(list(range(len(groups))))
+    states = [_Progress([p.detach().clone() for p in group], loss, loss) for group, loss in zip(groups, initial,
+                                                                                                strict=True)]
     average = _Average(parameters, averaging)
     rates = [group["lr"] for group in optimizer.param_groups]
-    # What the setup freed (stacking the batches, the start's held-out loss) is handed back before the steps pile
-    # their working set on it. Each layer's refinement rose 15-20 MB less (a 12-layer GPT-2-medium-shaped
-    # checkpoint, shared key at rank 768). Bounding the heap's growth between steps as well (cpu.BoundedHeap, 16
-    # or 32 MB) made that refinement 40% slower for no lower peak.
-    return_freed_heap()
+    # The steps allocate the same working set afresh each time: from a heap that keeps it (cpu.reused_heap), entered
+    # only now, so that the setup's transients (stacking a few layers' batches) went back to the system as they
+    # were freed: set up inside the heap, four SmolLM2 layers' refinement held 270 MB more than their live tensors.
+    # What the setup freed besides is handed back before the steps pile their working set on it. Each layer's
+    # refinement rose 15-20 MB less (a 12-layer GPT-2-medium-shaped checkpoint, shared key at rank 768). Bounding
+    # the heap's growth between steps as well (cpu.BoundedHeap, 16 or 32 MB) made that refinement 40% slower for
+    # no lower peak.
+    with reused_heap(keep_top=True):
+        return_freed_heap()
+        _steps(groups, states, optimizer, rates, average, minibatch_loss, held_out_losses, steps, check_every,
+               patience, warmup, on_check)
+    return [(state.best, state.initial, state.best_loss, state.taken) for state in states]
+
+
+def _steps(groups, states, optimizer, rates, average, minibatch_loss, held_out_losses, steps, check_every, patience,
+           warmup, on_check) -> None:
+    """adam_with_held_out_groups' loop: steps, and every `check_every` the held-out checks of the groups not yet
+    out of patience."""
+    active = list(range(len(groups)))
     for taken in range(1, steps + 1):
         if taken <= warmup:
             for group, rate in zip(optimizer.param_groups, rates, strict=True):
@@ -101,14 +137,17 @@ def adam_with_held_out(parameters: list[torch.Tensor], minibatch_loss, held_out_
         average.add()
         if taken % check_every == 0 or taken == steps:
             with average.in_place():
-                loss = held_out_loss()
+                losses = held_out_losses(active)
                 if on_check is not None:
-                    on_check(taken, loss)
-                if loss < state.best_loss:  # copied into the best's tensors: no new copy beside the old
-                    torch._foreach_copy_(state.best, [p.detach() for p in parameters])
-                    state.best_loss, state.stale = loss, 0
-                else:
-                    state.stale += 1
-            if state.stale >= patience:
+                    on_check(taken, losses)
+                for index, loss in zip(active, losses, strict=True):
+                    state = states[index]
+                    state.taken = taken
+                    if loss < state.best_loss:  # copied into the best's tensors: no new copy beside the old
+                        torch._foreach_copy_(state.best, [p.detach() for p in groups[index]])
+                        state.best_loss, state.stale = loss, 0
+                    else:
+                        state.stale += 1
+            active = [index for index in active if states[index].stale < patience]
+            if not active:
                 break
-    return state.best, initial, state.best_loss, taken

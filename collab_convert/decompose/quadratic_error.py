@@ -37,18 +37,26 @@ class QuadraticTargets:
         back = torch.empty(*target_output.shape[:-1], weight.shape[1], dtype=target_output.dtype,
                            device=target_output.device)
         energy = torch.empty(target_output.shape[:-1], dtype=wide, device=target_output.device)
-        for start in range(0, target_output.shape[0], 32):
-            part = target_output[start : start + 32].to(wide)
+        for start in range(0, target_output.shape[0], 8):
+            part = target_output[start : start + 8].to(wide)
             projected = part @ weight
             if back.dtype != wide and not torch.isfinite(projected.to(back.dtype)).all():
                 back = back.to(wide)
-            back[start : start + 32] = projected
-            energy[start : start + 32] = (part * part).sum(-1)
+            back[start : start + 8] = projected
+            energy[start : start + 8] = (part * part).sum(-1)
         return cls((weight.T @ weight).to(products), back, energy)
 
     def gathered(self, gather) -> QuadraticTargets:
         """The rows a step draws: `gather` takes stacked (S, n, ...) to (B, rows, ...)."""
         return QuadraticTargets(self.gram, gather(self.back).to(self.energy.dtype), gather(self.energy))
+
+
+def per_layer(rows: torch.Tensor, matrix: torch.Tensor, layers: int = 1) -> torch.Tensor:
+    """rows (L b, ..., k) @ matrix: one (k, n) matrix for all, or one per layer (L, k, n), each layer's rows
+    against its own; (L b, ..., n)."""
+    if matrix.dim() == 2:
+        return rows @ matrix
+    return (rows.reshape(layers, -1, rows.shape[-1]) @ matrix).view(*rows.shape[:-1], matrix.shape[-1])
 
 
 class QuadraticError(torch.autograd.Function):
@@ -60,8 +68,10 @@ class QuadraticError(torch.autograd.Function):
     it is not used."""
 
     @staticmethod
-    def forward(ctx, read: torch.Tensor, gram: torch.Tensor, back: torch.Tensor, rows: torch.Tensor):
-        residual = (read.to(gram.dtype) @ gram).to(back.dtype) - back  # R G - T W
+    def forward(ctx, read: torch.Tensor, gram: torch.Tensor, back: torch.Tensor, rows: torch.Tensor,
+                layers: int = 1):
+        # `rows`: each row's weight (0 for padding); `gram` (L, H d, H d): each of L layers' own, for its rows
+        residual = per_layer(read.to(gram.dtype), gram, layers).to(back.dtype) - back  # R G - T W
         ctx.save_for_backward(residual, rows)
         ctx.dtype = read.dtype
         return ((read.to(back.dtype) * (residual - back)).sum(-1) * rows).sum()
@@ -69,4 +79,4 @@ class QuadraticError(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         residual, rows = ctx.saved_tensors
-        return (residual * (2 * grad * rows[..., None])).to(ctx.dtype), None, None, None
+        return (residual * (2 * grad * rows[..., None])).to(ctx.dtype), None, None, None, None

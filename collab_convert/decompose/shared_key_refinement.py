@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..devices import HOST, Device, training_products
-from .held_out_adam import adam_with_held_out, held_out_count
+from .held_out_adam import adam_with_held_out_groups, held_out_count
 from .refinement import drawn_rows
 from .shared_key import HeadGeometry, SharedKeyFactors, slot_frequencies
 from .shared_key_batches import AttentionSetting, SharedKeySample, StackedSequences
@@ -74,63 +74,168 @@ def attention_output_errors(samples: list[SharedKeySample], factors: SharedKeyFa
     return [total / max(energy, 1e-30) for total in totals]
 
 
+@dataclass
+class LayerToRefine:
+    """One layer's refinement: its calibration samples, the fit it starts from, its shape and attention setting,
+    and the value latent refined with the key, where there is one."""
+
+    samples: list[SharedKeySample]
+    factors: SharedKeyFactors
+    geometry: HeadGeometry
+    setting: AttentionSetting
+    values: ValueLatent | None = None
+
+
+def foldable(layers: list[LayerToRefine]) -> bool:
+    """Whether these layers can share steps (refine_shared_keys): the same shapes, the same sequences (lengths),
+    the same attention besides its weights (scale, soft-capping, causality; no position bias), and the output as
+    the objective."""
+    first = layers[0]
+
+    def alike(layer: LayerToRefine) -> bool:
+        a, b = layer.setting, first.setting
+        return (layer.geometry == first.geometry and len(layer.samples) == len(first.samples)
+                and (a.scaling, a.softcap, a.causal) == (b.scaling, b.softcap, b.causal)
+                and a.output_weight is not None and a.output_weight.shape == b.output_weight.shape
+                and (layer.values is None) == (first.values is None)
+                and (layer.values is None or layer.values.down.shape == first.values.down.shape)
+                and all(x.queries.shape[0] == y.queries.shape[0] and x.keys.shape[0] == y.keys.shape[0]
+                        and x.values is not None for x, y in zip(layer.samples, first.samples, strict=True)))
+
+    return all(layer.setting.position_bias is None and alike(layer) for layer in layers)
+
+
 def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors, geometry: HeadGeometry,
                       setting: AttentionSetting, steps: int = 200, learning_rate: float = 9e-2,
                       batch_sequences: int = 8, query_rows: int = QUERY_ROWS, seed: int = 0,
                       device: Device = HOST, values: ValueLatent | None = None,
                       consume: bool = False) -> SharedKeyRefinement:
+    """One layer's refine_shared_keys."""
+    (refined,) = refine_shared_keys([LayerToRefine(samples, factors, geometry, setting, values)], steps=steps,
+                                    learning_rate=learning_rate, batch_sequences=batch_sequences,
+                                    query_rows=query_rows, seed=seed, device=device, consume=consume)
+    return refined
+
+
+def refine_shared_keys(layers: list[LayerToRefine], steps: int = 200, learning_rate: float = 9e-2,
+                       batch_sequences: int = 8, query_rows: int = QUERY_ROWS, seed: int = 0,
+                       device: Device = HOST, consume: bool = False) -> list[SharedKeyRefinement]:
     """Adam on the error of the attention output through the output projection where the samples carry values
     (else the mean attention KL(original || shared) per head and query; see the module docstring), with a value
-    latent refined together with the key where one is given. The steps run on `device`; the samples wait in host
-    memory, and the result comes back there. `consume`: the samples' tensors are let go once stacked (the caller
-    reads them no more; where none are held out, only after the checks' copy), not held beside their stacked copy,
-    and factors already in float32 on `device` become the parameters themselves (changed in place), not copied."""
-    slots = slot_frequencies(factors.ranks).to(device)
-    setting = setting.on(device)
-    held = held_out_count(len(samples))
-    train, check = (samples[:-held], samples[-held:]) if held else (samples, samples)
-    checks = StackedSequences(check, geometry, setting, slots, device, consume=consume and bool(held)).problems()
-    check_rows = sum(int(p.valid.sum()) for p in checks)
-    if values is not None and checks[0].values is None:
-        raise ValueError("refining a value latent needs samples with values and the layer's output projection")
-    # every head reads the shared latent through an up-projection of its own (its output projection absorbs it, so
-    # this costs nothing at inference): the PCA's per-group ones are where they start
-    per_head = (values.down, values.up[geometry.group_of_head]) if values is not None else ()
-    start = (factors.key_mixing, factors.query_core, factors.pass_core) + per_head
-    parameters = [(t.to(device, torch.float32) if consume else t.to(device, torch.float32).clone()).detach()
-                  .requires_grad_(True) for t in start]
+    latent refined together with the key where one is given. Layers that are `foldable` share each step: their
+    batches side by side, their losses summed (each layer's gradient is its own), each checked and kept on its
+    own held-out sequences, as if refined alone; others are refined one at a time. The steps run on `device`;
+    the samples wait in host memory, and the results come back there. `consume`: the samples' tensors are let go
+    once stacked (where none are held out, after the checks' copy), and factors already in float32 on `device`
+    become the parameters themselves (changed in place), not copied."""
+    if len(layers) > 1 and not foldable(layers):
+        return [refined for layer in layers for refined in refine_shared_keys(
+            [layer], steps=steps, learning_rate=learning_rate, batch_sequences=batch_sequences,
+            query_rows=query_rows, seed=seed, device=device, consume=consume)]
+    width = max(layer.factors.query_core.shape[-1] for layer in layers)
+    pass_width = max(layer.factors.pass_core.shape[-1] for layer in layers)
+    # a layer with fewer slots than the widest takes extra ones at zero: their key mixing and cores stay zero (each
+    # one's gradient is a product with the other), so the layer's scores are its own
+    slots = [padded_slots(layer.factors.ranks, width).to(device) for layer in layers]
+    held = held_out_count(len(layers[0].samples))
+    checks, parameters = [], []
+    for layer, layer_slots in zip(layers, slots, strict=True):
+        check = layer.samples[-held:] if held else layer.samples
+        checks.append([problem.let_go_of_original() for problem in StackedSequences(
+            check, layer.geometry, layer.setting.on(device), layer_slots, device,
+            consume=consume and bool(held)).each_problem()])
+        parameters.append(_parameters(layer, width, pass_width, device, consume))
 
-    def held_out() -> float:
+    def held_out(indices: list[int]) -> list[float]:
         with torch.no_grad():
-            losses = [p.loss(*parameters) for p in checks]
-            return float(sum(loss for loss, _ in losses)) / max(sum(norm for _, norm in losses), 1e-30)
+            losses = [[p.loss(*parameters[index]) for p in checks[index]] for index in indices]
+            return [float(sum(loss for loss, _ in each)) / max(sum(norm for _, norm in each), 1e-30)
+                    for each in losses]
 
-    def held_out_kl(state: list[torch.Tensor]) -> float:
-        with torch.no_grad():
-            return float(sum(p.kl_sum(p.predicted(*state[:3])) for p in checks)) / max(check_rows, 1)
-
-    generator = torch.Generator().manual_seed(seed)
-    kl_before = held_out_kl(parameters)
+    kl_before = [_held_out_kl(problems, state) for problems, state in zip(checks, parameters, strict=True)]
     products = training_products(device)  # the steps' products; the held-out checks stay in float32
-    sequences = StackedSequences(train, geometry, setting, slots, device, targets=True, products=products,
-                                 consume=consume, for_steps=True)
-    lengths = sequences.query_lengths.to(HOST)
+    stacks = [StackedSequences(layer.samples[:-held] if held else layer.samples, layer.geometry,
+                               layer.setting.on(device), layer_slots, device, targets=True, products=products,
+                               consume=consume, for_steps=True) for layer, layer_slots in zip(layers, slots, strict=True)]
+    sequences = stacks[0] if len(stacks) == 1 else StackedSequences.folded(stacks)
+    stacks = None
+    lengths, generator = sequences.query_lengths.to(HOST), torch.Generator().manual_seed(seed)
 
     def minibatch_loss() -> torch.Tensor:
         # the rows of all the chosen sequences in one draw (a draw and a sort per sequence, and the positions
         # assembled row by row, were a tenth of a SmolLM2 step)
-        chosen = torch.randperm(len(train), generator=generator)[:batch_sequences]
+        chosen = torch.randperm(len(lengths), generator=generator)[:batch_sequences]
         picks = drawn_rows(lengths[chosen], query_rows, generator)
-        loss, norm = sequences.problem(chosen, picks, products).loss(*parameters)
-        return loss / max(norm, 1e-30)
+        stacked = [torch.stack(kind) for kind in zip(*parameters, strict=True)] if len(parameters) > 1 else [
+            t[None] for t in parameters[0]]
+        return sequences.problem(chosen, picks, products).step_loss(*stacked)
 
-    best, initial, best_loss, taken = adam_with_held_out(parameters, minibatch_loss, held_out, steps, learning_rate,
-                                                         check_every=CHECK_EVERY, patience=PATIENCE, warmup=WARMUP)
-    kl_after = held_out_kl(best)
+    results = adam_with_held_out_groups(parameters, minibatch_loss, held_out, steps, learning_rate,
+                                        check_every=CHECK_EVERY, patience=PATIENCE, warmup=WARMUP,
+                                        typical=[_typical(state, layer) for state, layer in zip(parameters, layers,
+                                                                                                strict=True)])
+    objective = "attention output" if checks[0][0].values is not None else "attention KL"
+    return [_refined(layer, problems, before, *result, objective)
+            for layer, problems, before, result in zip(layers, checks, kl_before, results, strict=True)]
+
+
+def padded_slots(ranks, width: int) -> torch.Tensor:
+    """The layer's slot frequencies, then frequency 0 for the slots it lacks up to `width`."""
+    slots = slot_frequencies(ranks)
+    return torch.cat([slots, slots.new_zeros(width - len(slots))])
+
+
+def _parameters(layer: LayerToRefine, width: int, pass_width: int, device: Device, consume: bool):
+    """The layer's parameters, float32 on `device`, with zero slots up to `width` complex and `pass_width` pass
+    ones: the key mixing's rows (real parts, imaginary parts, pass rows) and the cores' columns."""
+    factors, values = layer.factors, layer.values
+    own, own_pass = factors.query_core.shape[-1], factors.pass_core.shape[-1]
+    start = [factors.key_mixing, factors.query_core, factors.pass_core]
+    if (own, own_pass) != (width, pass_width):
+        mixing = factors.key_mixing.new_zeros(2 * width + pass_width, factors.key_mixing.shape[1])
+        for begin, to, count in ((0, 0, own), (own, width, own), (2 * own, 2 * width, own_pass)):
+            mixing[to : to + count] = factors.key_mixing[begin : begin + count]
+        start = [mixing, torch.nn.functional.pad(factors.query_core, (0, width - own)),
+                 torch.nn.functional.pad(factors.pass_core, (0, pass_width - own_pass))]
+    # every head reads the shared latent through an up-projection of its own (its output projection absorbs it, so
+    # this costs nothing at inference): the PCA's per-group ones are where they start
+    if values is not None:
+        start += [values.down, values.up[layer.geometry.group_of_head]]
+    return [(t.to(device, torch.float32) if consume else t.to(device, torch.float32).clone()).detach()
+            .requires_grad_(True) for t in start]
+
+
+def _typical(state: list[torch.Tensor], layer: LayerToRefine) -> list[float]:
+    """Each parameter's typical entry, which sets its rate: the mean size of its own entries, not of its zero slots."""
+    own = [layer.factors.key_mixing, layer.factors.query_core, layer.factors.pass_core]
+    if layer.values is not None:
+        own += [layer.values.down, layer.values.up[layer.geometry.group_of_head]]
+    return [float(t.detach().abs().mean().clamp_min(1e-8)) if t.numel() == mine.numel() else
+            max(float(t.detach().abs().sum()) / max(mine.numel(), 1), 1e-8) for t, mine in zip(state, own, strict=True)]
+
+
+def _held_out_kl(checks, state: list[torch.Tensor]) -> float:
+    """The mean attention KL on the held-out sequences; each problem's original attention let go once read."""
+    total, rows = 0.0, 0
+    with torch.no_grad():
+        for problem in checks:
+            total += float(problem.kl_sum(problem.predicted(*state[:3])))
+            rows += int(problem.valid.sum())
+            problem.let_go_of_original()
+    return total / max(rows, 1)
+
+
+def _refined(layer: LayerToRefine, checks, kl_before: float, best, initial: float, best_loss: float, taken: int,
+             objective: str) -> SharedKeyRefinement:
+    """The layer's result: its best parameters back in its own slots, dtype and host memory."""
+    kl_after = _held_out_kl(checks, best)
+    factors, values = layer.factors, layer.values
+    own, own_pass = factors.query_core.shape[-1], factors.pass_core.shape[-1]
+    width = best[1].shape[-1]
+    mixing = torch.cat([best[0][:own], best[0][width : width + own], best[0][2 * width : 2 * width + own_pass]])
     dtype = factors.key_mixing.dtype
-    refined = replace(factors, key_mixing=best[0].to(HOST, dtype), query_core=best[1].to(HOST, dtype),
-                      pass_core=best[2].to(HOST, dtype))
+    refined = replace(factors, key_mixing=mixing.to(HOST, dtype), query_core=best[1][..., :own].to(HOST, dtype),
+                      pass_core=best[2][..., :own_pass].to(HOST, dtype))
     if values is not None:
         values = replace(values, down=best[3].to(HOST, values.down.dtype), up=best[4].to(HOST, values.up.dtype))
-    objective = "attention output" if checks[0].values is not None else "attention KL"
     return SharedKeyRefinement(refined, kl_before, kl_after, taken, objective, initial, best_loss, values)

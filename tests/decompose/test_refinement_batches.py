@@ -312,13 +312,13 @@ def test_a_shared_key_refinement_checks_its_held_out_sequences_every_forty_steps
 
     samples, setting, factors = sequences_and_setting(seed=8)
     samples = samples + [SharedKeySample(s.queries, s.keys, s.values) for s in samples]  # 12: one held out
-    checked, settings, adam = [], [], held_out_adam.adam_with_held_out
+    checked, settings, adam = [], [], held_out_adam.adam_with_held_out_groups
 
     def heard(*args, **kwargs):
         settings.append({name: kwargs[name] for name in ("check_every", "patience", "warmup")})
-        return adam(*args, **kwargs, on_check=lambda step, loss: checked.append(step))
+        return adam(*args, **kwargs, on_check=lambda step, losses: checked.append(step))
 
-    monkeypatch.setattr(shared_key_refinement, "adam_with_held_out", heard)
+    monkeypatch.setattr(shared_key_refinement, "adam_with_held_out_groups", heard)
     shared_key_refinement.refine_shared_key(samples, factors, GEOMETRY, setting, steps=100, batch_sequences=2)
     assert checked == [40, 80, 100]  # every 40 steps, and the last
     assert settings == [{"check_every": 40, "patience": 3, "warmup": 10}]  # no gain in 3 checks: it stops
