@@ -194,6 +194,13 @@ class CompressOptions(_ModelInputs, FidelityGates):
         "held-out slice stops improving; 0: off). Default: 200, 130 for the multi-query form.",
     )
     refine_samples: int = Field(256, ge=1, description="With --calibration: sequences the refinement looks at.")
+    # The shared-key and multi-query forms: layers whose refinements share each step (forms/shared_key/fitting.py)
+    refine_together: int | None = Field(
+        None, ge=1, le=16, description="With --calibration, the shared-key and multi-query forms: layers refined in "
+        "the same steps. More is faster on a CPU (a step is a few hundred small operations, whatever its layers), "
+        "and holds each layer's calibration samples at once (about 55 MB a layer for SmolLM2-135M). Default: as "
+        "many as fit in a quarter of the checkpoint's size, at most 4; 1 on small models.",
+    )
     # After every layer is fitted on its own: every layer's collaborative tensors tuned together on the model's
     # own output (integration/distillation.py). Off by default: it loads the original and the result whole, and on
     # encoders it costs several times the calibration for a small gain (docs/benchmarks.md, issue 34).

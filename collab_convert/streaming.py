@@ -62,6 +62,55 @@ def each_layer(function: Callable[[AttentionLayer], Any], layers: list[Attention
 LayerFitter = Callable[[AttentionLayer, Progress], tuple[LayerReport, dict[str, torch.Tensor]]]
 
 
+class FoldedFits:
+    """A LayerFitter whose middle part runs for several layers at once (a refinement whose steps serve a few layers
+    side by side): asked for a layer, it starts it and the next layers in `order` still to fit, up to
+    `size(first state)` of those whose state `joins` (the others are fitted alone), runs `together` on their
+    states, and finishes each; the results of the layers the writer has not asked for yet wait here (a layer's
+    fitted tensors: small beside its calibration).
+
+    start(layer, announce) -> state; together(states, announce) -> states; finish(layer, state) -> (report,
+    tensors); announce(stage) shows the stage and the layers it is at."""
+
+    def __init__(self, order: list[AttentionLayer], start, together, finish, joins, size, labels: dict[str, str],
+                 total: int):
+        self.order, self.start, self.together, self.finish = order, start, together, finish
+        self.joins, self.size, self.labels, self.total = joins, size, labels, total
+        self.waiting: dict[str, tuple[LayerReport, dict[str, torch.Tensor]]] = {}
+
+    def __call__(self, layer: AttentionLayer, progress: Progress):
+        if layer.prefix in self.waiting:
+            return self.waiting.pop(layer.prefix)
+        index = self.order.index(layer) if layer in self.order else len(self.order)
+
+        def announce(stage: str, group: list[AttentionLayer]) -> None:  # "layer 3/30", or "layers 3-6/30"
+            first, last = self.labels[group[0].prefix], self.labels[group[-1].prefix]
+            where = first if len(group) == 1 else f"layers {first.split()[1].split('/')[0]}-{last.split()[1]}"
+            progress(f"{stage}{DETAIL}{where}", index, self.total)
+
+        state = self.start(layer, lambda stage: announce(stage, [layer]))
+        group, states = [layer], [state]
+        if self.joins(state):
+            limit = self.size(state)
+            for following in self.order[index + 1:]:
+                if len(group) >= limit:
+                    break
+                if following.prefix in self.waiting:
+                    continue
+                following_state = self.start(following, lambda stage: None)
+                if not self.joins(following_state):  # fitted alone, but done now: its result waits
+                    self.waiting[following.prefix] = self.finish(following, following_state)
+                    continue
+                group.append(following)
+                states.append(following_state)
+            # (a layer alone was announced by its start)
+            states = self.together(states, lambda stage: announce(stage, group) if len(group) > 1 else None)
+        results = [self.finish(member, member_state) for member, member_state in zip(group, states, strict=True)]
+        for member, result in zip(group[1:], results[1:], strict=True):
+            self.waiting[member.prefix] = result
+        return results[0]
+
+
 def unchanged(name: str, spec: TensorSpec) -> list[Passed]:
     return [Passed(name)]
 

@@ -114,6 +114,13 @@ def test_refined_layers_show_refining_layer_by_layer(tmp_path):
     refining = [(done, total) for stage, done, total in seen if stage.startswith("refining")]
     layers = len(result.layers)
     assert [done for done, _ in refining] == list(range(layers)) and {total for _, total in refining} == {layers}
+    # refined in the same steps, the layers show as one: "layers 1-2/2"
+    seen.clear()
+    compress(str(decoder), CompressOptions(key_cache=0.5, output=tmp_path / "out", threads=2, plots=False,
+                                           calibration=texts, refine_steps=20, refine_together=layers,
+                                           overwrite=True),
+             lambda stage, done, total: seen.append((stage, done, total)))
+    assert any(stage.startswith("refining") and f"layers 1-{layers}/{layers}" in stage for stage, _, _ in seen)
     assert all(layer.refinement and layer.refinement["steps"] > 0 for layer in result.layers)
     assert result.stage_seconds["refining"] > 0 and "fitting" not in result.stage_seconds
 
@@ -133,8 +140,8 @@ def test_each_form_refines_its_own_default_number_of_steps(tiny_bert, tmp_path, 
     settings = {"output": tmp_path / "out", "threads": 1, "plots": False, "calibration": texts, "overwrite": True}
     from collab_convert.decompose import shared_key_refinement
 
-    drawn, refine = [], shared_key_refinement.refine_shared_key
-    monkeypatch.setattr(shared_key_refinement, "refine_shared_key",
+    drawn, refine = [], shared_key_refinement.refine_shared_keys
+    monkeypatch.setattr(shared_key_refinement, "refine_shared_keys",
                         lambda *args, **kwargs: drawn.append(kwargs["batch_sequences"]) or refine(*args, **kwargs))
     for budget, steps, sequences in (({"key_cache": 0.5}, 200, 4), ({"kv_cache": 0.5}, 130, 8)):
         drawn.clear()
@@ -153,8 +160,9 @@ def test_each_form_refines_its_own_default_number_of_steps(tiny_bert, tmp_path, 
 
 @pytest.mark.parametrize("budget", [{"key_cache": 0.5}, {"kv_cache": 0.5}])
 def test_layers_are_refined_one_at_a_time(budget, tmp_path, monkeypatch):
-    """Memory holds one layer's refinement (its stacked sequences and step workspace), whatever the threads: two
-    side by side broke the 0.5x-checkpoint bound on a GPT-2-medium-shaped model (benchmarks/memory.py)."""
+    """Memory holds one refinement at a time (its layers' stacked sequences and step workspace), whatever the
+    threads: two side by side broke the 0.5x-checkpoint bound on a GPT-2-medium-shaped model (benchmarks/memory.py).
+    The layers a refinement holds share its steps (forms/shared_key/fitting.py, FOLDED_LAYERS)."""
     import threading
 
     from collab_convert import CompressOptions, compress
@@ -166,7 +174,7 @@ def test_layers_are_refined_one_at_a_time(budget, tmp_path, monkeypatch):
     save_tiny_tokenizer(decoder)
     texts = tmp_path / "texts.txt"
     texts.write_text("\n".join(f"the {w} was on the {v}" for w in "abcdef" for v in "ghij") + "\n")
-    refine, lock, running, most = shared_key_refinement.refine_shared_key, threading.Lock(), [0], [0]
+    refine, lock, running, most = shared_key_refinement.refine_shared_keys, threading.Lock(), [0], [0]
 
     def counted(*args, **kwargs):
         with lock:
@@ -178,7 +186,7 @@ def test_layers_are_refined_one_at_a_time(budget, tmp_path, monkeypatch):
             with lock:
                 running[0] -= 1
 
-    monkeypatch.setattr(shared_key_refinement, "refine_shared_key", counted)
+    monkeypatch.setattr(shared_key_refinement, "refine_shared_keys", counted)
     result = compress(str(decoder), CompressOptions(**budget, output=tmp_path / "out", threads=2, plots=False,
                                                     calibration=texts, refine_steps=30))
     assert all(layer.refinement for layer in result.layers) and most[0] == 1

@@ -10,13 +10,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ...architectures.layouts import AttentionLayer
 from ...architectures.source import SourceModel
-from ...cpu import reused_heap
 from ...decompose.costs import attention_cost
 from ...decompose.rotary_ops import query_basis_matrix
 from ...decompose.shared_key import KeyRanks, KeySpectrum, allocate, fit_shared_key, key_spectrum, slot_frequencies
@@ -24,8 +24,8 @@ from ...decompose.value_latent import fit_value_latent, head_up_projections, out
 from ...options import CompressOptions
 from ...progress import DETAIL, Progress
 from ...results import MultiQueryLayerReport, rounded
-from ...streaming import fit_workers, layer_labels, stream_weights
-from ..shared_key.fitting import score_shares, shape_of
+from ...streaming import FoldedFits, fit_workers, layer_labels, stream_weights
+from ..shared_key.fitting import refined_together, score_shares, shape_of
 from ..shared_key.statistics import geometry_of
 from .statistics import STEP_SEQUENCES
 
@@ -49,43 +49,96 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
     def specs(layer: AttentionLayer):
         return source.layout.stock_specs(source.reader, layer, width)
 
-    def fit(layer: AttentionLayer, progress: Progress):
-        record = records[layer.prefix]
-        stage = "refining" if record.samples and options.refine_steps else "fitting"
-        progress(f"{stage}{DETAIL}{labels[layer.prefix]}", source.layers.index(layer), len(source.layers))
-        return _fit_layer(source, layer, width, profile, record, options)
+    def start(layer: AttentionLayer, announce) -> _Fitted:
+        return _start(source, layer, width, profile, records[layer.prefix], options, announce)
 
-    # refined layers one at a time, as the shared-key form's (forms/shared_key/fitting.py: memory)
-    return stream_weights(source, folder, options, progress, specs, fit, finished,
-                          workers=0 if refining else fit_workers(),
+    def finish(layer: AttentionLayer, fitted: _Fitted):
+        return _finish(source, layer, width, profile, fitted)
+
+    if not refining:
+        def fit(layer: AttentionLayer, progress: Progress):
+            def announce(stage: str):
+                progress(f"{stage}{DETAIL}{labels[layer.prefix]}", source.layers.index(layer), len(source.layers))
+
+            return finish(layer, start(layer, announce))
+
+        return stream_weights(source, folder, options, progress, specs, fit, finished, workers=fit_workers(),
+                              passing=source.layout.passing)
+    # refined layers a few at a time in the same steps, as the shared-key form's (forms/shared_key/fitting.py)
+    order = [layer for layer in source.layers if not (finished and finished.has(layer))]
+    fits = FoldedFits(order, start, lambda group, announce: _refine(group, options, announce), finish,
+                      joins=lambda fitted: fitted.samples is not None,
+                      size=lambda fitted: refined_together(source, options, fitted.samples, [
+                          fitted.factors.key_mixing, fitted.factors.query_core, fitted.latent.down,
+                          head_up_projections(fitted.latent, fitted.geometry.group_of_head)]),
+                      labels=labels, total=len(source.layers))
+    return stream_weights(source, folder, options, progress, specs, fits, finished, workers=0,
                           passing=source.layout.passing)
 
 
-def _fit_layer(source: SourceModel, layer: AttentionLayer, width: int, profile: KeyRanks, record,
-               options: CompressOptions):
+@dataclass
+class _Fitted:
+    """A layer between its fit and its tensors: its projections, the fitted key and value latent, and what its
+    refinement needs and says."""
+
+    weights: object
+    geometry: object
+    factors: object
+    latent: object
+    weighting: str
+    scaling: float
+    calibrated: bool
+    samples: list | None
+    setting: object
+    seconds: float
+    refinement: dict | None = None
+
+
+def _start(source: SourceModel, layer: AttentionLayer, width: int, profile: KeyRanks, record,
+           options: CompressOptions, announce) -> _Fitted:
     started = time.perf_counter()
+    refined = bool(record.samples and options.refine_steps and width != layer.full_rank)
+    announce("refining" if record.samples and options.refine_steps else "fitting")
     weights = source.layout.read_all(source.reader, layer)
     geometry = geometry_of(layer)
     factors = fit_shared_key(record.statistics, geometry, profile)
     latent, weighting = _value_start(record, weights, geometry, width, factors, options)
-    value_lost, refinement = latent.lost_energy, None
-    full = width == layer.full_rank
-    if record.samples and options.refine_steps and not full:
-        from ...decompose.shared_key_refinement import refine_shared_key
-
-        with reused_heap(keep_top=True):  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
-            refined = refine_shared_key(record.samples, factors, geometry, record.setting, steps=options.refine_steps,
-                                        seed=options.seed, device=options.device, values=latent,
-                                        consume=True, batch_sequences=STEP_SEQUENCES)
-        factors, latent = refined.factors, refined.values
-        refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
-                      "objective": refined.objective, "loss_before": refined.loss_before,
-                      "loss_after": refined.loss_after, "value_start": weighting}
     scaling = record.setting.scaling if record.setting is not None else layer.shape.head_dim ** -0.5
-    tensors = _stock_tensors(source, layer, weights, factors, latent, profile, scaling)
-    report = _report(source, layer, width, factors, value_lost, time.perf_counter() - started)
-    if record.setting is not None:
-        report.logit_error, report.refinement = factors.lost_energy, refinement
+    return _Fitted(weights, geometry, factors, latent, weighting, scaling, record.setting is not None,
+                   record.samples if refined else None, record.setting if refined else None,
+                   time.perf_counter() - started)
+
+
+def _refine(group: list[_Fitted], options: CompressOptions, announce) -> list[_Fitted]:
+    """The group's layers refined in the same steps, key and value latent together; each one's time is its share."""
+    from ...decompose.shared_key_refinement import LayerToRefine, refine_shared_keys
+
+    announce("refining")
+    started = time.perf_counter()
+    layers = [LayerToRefine(fitted.samples, fitted.factors, fitted.geometry, fitted.setting, fitted.latent)
+              for fitted in group]
+    for fitted in group:  # the refinement lets the samples go as it stacks them (consume)
+        fitted.samples = fitted.setting = None
+    # (its steps take their working set from a heap that keeps it, held_out_adam; not the stacking before them)
+    results = refine_shared_keys(layers, steps=options.refine_steps, seed=options.seed, device=options.device,
+                                 consume=True, batch_sequences=STEP_SEQUENCES)
+    layers = None
+    share = (time.perf_counter() - started) / len(group)
+    for fitted, refined in zip(group, results, strict=True):
+        fitted.factors, fitted.latent, fitted.seconds = refined.factors, refined.values, fitted.seconds + share
+        fitted.refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
+                             "objective": refined.objective, "loss_before": refined.loss_before,
+                             "loss_after": refined.loss_after, "value_start": fitted.weighting}
+    return group
+
+
+def _finish(source: SourceModel, layer: AttentionLayer, width: int, profile: KeyRanks, fitted: _Fitted):
+    started, factors, latent = time.perf_counter(), fitted.factors, fitted.latent
+    tensors = _stock_tensors(source, layer, fitted.weights, factors, latent, profile, fitted.scaling)
+    # the start's lost energy, which the refined latent carries on
+    report = _report(source, layer, width, factors, latent.lost_energy, fitted.seconds + time.perf_counter() - started)
+    if fitted.calibrated:
+        report.logit_error, report.refinement = factors.lost_energy, fitted.refinement
     return report, tensors
 
 

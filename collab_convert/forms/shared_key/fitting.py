@@ -4,18 +4,27 @@ calibration kept samples, and written in place of the key projection as the chec
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ...architectures.layouts import AttentionLayer
 from ...architectures.source import SourceModel
-from ...cpu import reused_heap
 from ...decompose.costs import SharedKeyShape, original_grouped_cost, shared_key_cost
-from ...decompose.shared_key import KeyRanks, KeySpectrum, KeyStatistics, allocate, fit_shared_key, key_spectrum
+from ...decompose.shared_key import (
+    HeadGeometry,
+    KeyRanks,
+    KeySpectrum,
+    KeyStatistics,
+    SharedKeyFactors,
+    allocate,
+    fit_shared_key,
+    key_spectrum,
+)
 from ...errors import BadInputError
 from ...format import (
     FUSED_QUERY,
@@ -34,8 +43,8 @@ from ...integration.remote_code import write_checkpoint_code
 from ...options import CompressOptions
 from ...progress import DETAIL, Progress
 from ...results import SharedKeyLayerReport, rounded
-from ...streaming import fit_workers, layer_labels, stream_weights
-from .statistics import STEP_SEQUENCES, geometry_of, key_norm
+from ...streaming import FoldedFits, fit_workers, layer_labels, stream_weights
+from .statistics import FOLDED_LAYERS, STEP_SEQUENCES, geometry_of, key_norm
 
 
 def layer_width(source: SourceModel, options: CompressOptions) -> int:
@@ -118,56 +127,118 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
         return layout.output_specs(source.reader, layer, r.width, sum(r.frequency_ranks), r.pass_rank,
                                    layer.shape.head_dim - layer.rotary_dim, normed)
 
+    def start(layer: AttentionLayer, announce) -> _Fitted:
+        return _start(layer, ranks[layer.prefix], statistics, calibrations, options, announce)
+
+    def finish(layer: AttentionLayer, fitted: _Fitted):
+        return _finish(source, layer, fitted, normed)
+
     labels = layer_labels(source)
+    if not (calibrations and options.refine_steps):
+        def fit(layer: AttentionLayer, progress: Progress):
+            def announce(stage: str):
+                progress(f"{stage}{DETAIL}{labels[layer.prefix]}", source.layers.index(layer), len(source.layers))
 
-    def fit(layer: AttentionLayer, progress: Progress):
-        def announce(stage: str):
-            progress(f"{stage}{DETAIL}{labels[layer.prefix]}", source.layers.index(layer), len(source.layers))
+            return finish(layer, start(layer, announce))
 
-        return _fit_layer(source, layer, ranks[layer.prefix], statistics, calibrations, normed, options, announce)
+        return stream_weights(source, folder, options, progress, specs, fit, finished, workers=fit_workers(),
+                              guarded=True)
+    # Refined layers a few at a time in the same steps (FOLDED_LAYERS), on every thread, not side by side in
+    # threads: two refinements side by side (one torch thread each) took 0.57-0.97 of the time, and held both
+    # working sets at once
+    order = [layer for layer in source.layers if not (finished and finished.has(layer))]
+    fits = FoldedFits(order, start, lambda group, announce: _refine(group, options, announce), finish,
+                      joins=lambda fitted: fitted.samples is not None,
+                      size=lambda fitted: refined_together(source, options, fitted.samples, [
+                          fitted.factors.key_mixing, fitted.factors.query_core, fitted.factors.pass_core]),
+                      labels=labels, total=len(source.layers))
+    return stream_weights(source, folder, options, progress, specs, fits, finished, workers=0, guarded=True)
 
-    # Refined layers one at a time, on every thread: side by side (one torch thread each) they took 0.57-0.97 of
-    # the time, but held two layers' refinement at once, which broke the memory bound (a 12-layer GPT-2-medium-
-    # shaped bf16 checkpoint: refining at 454-515 MB above the baseline, 313 MB one at a time).
-    refined = bool(calibrations and options.refine_steps)
-    return stream_weights(source, folder, options, progress, specs, fit, finished,
-                          workers=0 if refined else fit_workers(),
-                          guarded=True)
+
+# Of the checkpoint's size, what the layers refined together may hold by default (--refine-together): their
+# calibration samples, stacked for the steps, and their parameters with Adam's state. Measured on SmolLM2 (300
+# documents, half the key cache), each layer added to a refinement added 54 MB to its peak, 2.2 times its samples'
+# 24 MB (docs/benchmarks.md, "Layers refined side by side in one step"); the bound is half the checkpoint in all.
+TOGETHER_SHARE = 0.25
+SAMPLES_HELD = 2.5  # a refined layer's memory, as a multiple of its samples' bytes
+PARAMETER_BYTES = 32  # a parameter's float32 value, gradient, Adam's two moments, average, best, start, padding
 
 
-def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, statistics: Mapping[str, KeyStatistics],
-               calibrations, normed: bool, options: CompressOptions, announce):
+def refined_together(source: SourceModel, options: CompressOptions, samples: list, parameters: list) -> int:
+    """How many layers refine in the same steps: --refine-together, else as many as fit in TOGETHER_SHARE of the
+    checkpoint, at most FOLDED_LAYERS (and at least one)."""
+    if options.refine_together:
+        return options.refine_together
+    held = SAMPLES_HELD * sum(t.nbytes for sample in samples for t in vars(sample).values()
+                              if isinstance(t, torch.Tensor)) + PARAMETER_BYTES * sum(t.numel() for t in parameters)
+    checkpoint = sum(spec.dtype.itemsize * math.prod(spec.shape) for spec in map(source.reader.spec,
+                                                                                   source.reader.names()))
+    return max(1, min(FOLDED_LAYERS, int(TOGETHER_SHARE * checkpoint // max(held, 1))))
+
+
+@dataclass
+class _Fitted:
+    """A layer between its fit and its tensors: the fit, and what its refinement needs and says."""
+
+    geometry: HeadGeometry
+    factors: SharedKeyFactors
+    samples: list | None  # the calibration samples, where the layer is to be refined
+    setting: object
+    calibrated: bool
+    seconds: float
+    refinement: dict | None = None
+
+
+def _start(layer: AttentionLayer, ranks: KeyRanks, statistics: Mapping[str, KeyStatistics], calibrations,
+           options: CompressOptions, announce) -> _Fitted:
     started = time.perf_counter()
     # The calibration record (fresh from disk, where it waits) is read here and let go, not held by a caller: its
     # statistics, a (G d)^2 float64 key covariance at a layer without rotation (8 MB at GPT-2-medium's width), are
     # then not held through the refinement's steps
     calibration = calibrations[layer.prefix] if calibrations else None
     samples, setting = (calibration.samples, calibration.setting) if calibration is not None else (None, None)
-    announce("refining" if samples and options.refine_steps else "fitting")
+    announce("refining" if samples and options.refine_steps else "fitting")  # a refined layer's fit is its start
     geometry = geometry_of(layer)
     factors = fit_shared_key(calibration.statistics if calibration is not None else statistics[layer.prefix],
                              geometry, ranks)
     calibrated, calibration = calibration is not None, None
-    refinement = None
-    if samples and ranks != KeyRanks.full(geometry):
-        from ...decompose.shared_key_refinement import refine_shared_key
-
+    if samples and options.refine_steps and ranks != KeyRanks.full(geometry):
         # the refinement works in float32, on these tensors themselves (consume): neither the float64 fit nor a
         # copy of it is held beside its parameters (6 MB a tensor at GPT-2-medium's width and rank 768). The
         # result is the same: the refined float32 numbers are what is kept
         factors = replace(factors, key_mixing=factors.key_mixing.float(), query_core=factors.query_core.float(),
                           pass_core=factors.pass_core.float())
-        with reused_heap(keep_top=True):  # one layer's working set, allocated afresh at every step (cpu.reused_heap)
-            refined = refine_shared_key(samples, factors, geometry, setting, steps=options.refine_steps,
-                                        seed=options.seed, device=options.device, consume=True,
-                                        batch_sequences=STEP_SEQUENCES)
-        factors = refined.factors
-        refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
-                      "objective": refined.objective, "loss_before": refined.loss_before,
-                      "loss_after": refined.loss_after}
-    # the samples and the setting (its float32 output projection) go before the projections are read, and those
-    # are read only now: neither is held beside what the refinement or the writing needs
-    samples = setting = None
+    else:
+        samples = setting = None
+    return _Fitted(geometry, factors, samples, setting, calibrated, time.perf_counter() - started)
+
+
+def _refine(group: list[_Fitted], options: CompressOptions, announce) -> list[_Fitted]:
+    """The group's layers refined in the same steps; each one's time is its share."""
+    from ...decompose.shared_key_refinement import LayerToRefine, refine_shared_keys
+
+    announce("refining")
+    started = time.perf_counter()
+    layers = [LayerToRefine(fitted.samples, fitted.factors, fitted.geometry, fitted.setting) for fitted in group]
+    for fitted in group:  # the samples are the refinement's now: it lets them go as it stacks them (consume)
+        fitted.samples = fitted.setting = None
+    # (its steps take their working set from a heap that keeps it, held_out_adam; not the stacking before them)
+    results = refine_shared_keys(layers, steps=options.refine_steps, seed=options.seed, device=options.device,
+                                 consume=True, batch_sequences=STEP_SEQUENCES)
+    layers = None
+    share = (time.perf_counter() - started) / len(group)
+    for fitted, refined in zip(group, results, strict=True):
+        fitted.factors, fitted.seconds = refined.factors, fitted.seconds + share
+        fitted.refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
+                             "objective": refined.objective, "loss_before": refined.loss_before,
+                             "loss_after": refined.loss_after}
+    return group
+
+
+def _finish(source: SourceModel, layer: AttentionLayer, fitted: _Fitted, normed: bool):
+    """The layer's tensors and report. Its projections are read only now: not held beside what the refinement
+    needs."""
+    started, factors = time.perf_counter(), fitted.factors
     weights = source.layout.read(source.reader, layer)
     dtype, p = weights.query_weight.dtype, layer.prefix
     tensors: dict[str, torch.Tensor] = {}
@@ -187,9 +258,9 @@ def _fit_layer(source: SourceModel, layer: AttentionLayer, ranks: KeyRanks, stat
     if layer.rotary_dim < layer.shape.head_dim:
         tensors[f"{p}.{PASS_CORE}"] = factors.pass_core
     tensors = {name: tensor.to(dtype).contiguous() for name, tensor in tensors.items()}
-    report = _report(source, layer, factors, time.perf_counter() - started)
-    if calibrated:
-        report.logit_error, report.refinement = factors.lost_energy, refinement
+    report = _report(source, layer, factors, fitted.seconds + time.perf_counter() - started)
+    if fitted.calibrated:
+        report.logit_error, report.refinement = factors.lost_energy, fitted.refinement
     return report, tensors
 
 
