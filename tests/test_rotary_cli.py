@@ -114,6 +114,8 @@ def test_refined_layers_show_refining_layer_by_layer(tmp_path):
     refining = [(done, total) for stage, done, total in seen if stage.startswith("refining")]
     layers = len(result.layers)
     assert [done for done, _ in refining] == list(range(layers)) and {total for _, total in refining} == {layers}
+    # a tiny model's layers refine one at a time by default: its calibration samples outweigh its checkpoint
+    assert {layer.refinement["layers_together"] for layer in result.layers} == {1}
     # refined in the same steps, the layers show as one: "layers 1-2/2"
     seen.clear()
     compress(str(decoder), CompressOptions(key_cache=0.5, output=tmp_path / "out", threads=2, plots=False,

@@ -317,4 +317,4 @@ def test_a_layers_refinement_holds_neither_its_statistics_nor_its_float64_fit_no
     assert len(result.layers) == 2
     # one refinement for both layers, holding no statistics and no float64 fit; both read after it
     assert events == [("refine", 2, 0, 0, {torch.float32})] + [("read", layer.name) for layer in result.layers]
-    assert all(layer.refinement["steps"] >= 1 for layer in result.layers)
+    assert all(layer.refinement["steps"] >= 1 and layer.refinement["layers_together"] == 2 for layer in result.layers)

@@ -128,7 +128,8 @@ def _refine(group: list[_Fitted], options: CompressOptions, announce) -> list[_F
         fitted.factors, fitted.latent, fitted.seconds = refined.factors, refined.values, fitted.seconds + share
         fitted.refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
                              "objective": refined.objective, "loss_before": refined.loss_before,
-                             "loss_after": refined.loss_after, "value_start": fitted.weighting}
+                             "loss_after": refined.loss_after, "layers_together": len(group),
+                             "value_start": fitted.weighting}
     return group
 
 

@@ -231,7 +231,7 @@ def _refine(group: list[_Fitted], options: CompressOptions, announce) -> list[_F
         fitted.factors, fitted.seconds = refined.factors, fitted.seconds + share
         fitted.refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
                              "objective": refined.objective, "loss_before": refined.loss_before,
-                             "loss_after": refined.loss_after}
+                             "loss_after": refined.loss_after, "layers_together": len(group)}
     return group
 
 
