@@ -199,7 +199,7 @@ class CompressOptions(_ModelInputs, FidelityGates):
         None, ge=1, le=16, description="With --calibration, the shared-key and multi-query forms: layers refined in "
         "the same steps. More is faster on a CPU (a step is a few hundred small operations, whatever its layers), "
         "and holds each layer's calibration samples at once (about 55 MB a layer for SmolLM2-135M). Default: as "
-        "many as fit in a quarter of the checkpoint's size, at most 4; 1 on small models.",
+        "many as fit in an eighth of the checkpoint's size, at most 4: 1 below a billion parameters or so.",
     )
     # After every layer is fitted on its own: every layer's collaborative tensors tuned together on the model's
     # own output (integration/distillation.py). Off by default: it loads the original and the result whole, and on

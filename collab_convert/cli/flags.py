@@ -29,7 +29,8 @@ PANELS = {
     ESSENTIALS: {"output", "rank", "key_cache", "kv_cache", "form", "calibration", "ranks", "texts", "against",
                  "format", "dtype"},
     "Calibration and fitting": {"calibration_samples", "calibration_max_length", "calibration_tokens", "calibration_mix", "target_cosine",
-                                "energy", "refine_steps", "refine_samples", "refine_together", "distill_steps", "weight_only", "method"},
+                                "energy", "refine_steps", "refine_samples", "refine_together", "distill_steps",
+                                "weight_only", "method"},
     "Fidelity gates (exit 1 when one fails)": {"min_cosine", "min_cosine_p01", "min_top1", "max_kl"},
 }
 MORE = "More options"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cpu import return_freed_heap, reused_heap
+from ..cpu import return_freed_heap
 
 AVERAGING = 0.97  # the weight of the average's past at each step (Polyak averaging over about 30 steps)
 
@@ -108,17 +108,13 @@ def adam_with_held_out_groups(groups: list[list[torch.Tensor]], minibatch_loss, 
                                                                                                 strict=True)]
     average = _Average(parameters, averaging)
     rates = [group["lr"] for group in optimizer.param_groups]
-    # The steps allocate the same working set afresh each time: from a heap that keeps it (cpu.reused_heap), entered
-    # only now, so that the setup's transients (stacking a few layers' batches) went back to the system as they
-    # were freed: set up inside the heap, four SmolLM2 layers' refinement held 270 MB more than their live tensors.
-    # What the setup freed besides is handed back before the steps pile their working set on it. Each layer's
-    # refinement rose 15-20 MB less (a 12-layer GPT-2-medium-shaped checkpoint, shared key at rank 768). Bounding
-    # the heap's growth between steps as well (cpu.BoundedHeap, 16 or 32 MB) made that refinement 40% slower for
-    # no lower peak.
-    with reused_heap(keep_top=True):
-        return_freed_heap()
-        _steps(groups, states, optimizer, rates, average, minibatch_loss, held_out_losses, steps, check_every,
-               patience, warmup, on_check)
+    # What the setup freed (stacking the batches, the start's held-out loss) is handed back before the steps pile
+    # their working set on it. Each layer's refinement rose 15-20 MB less (a 12-layer GPT-2-medium-shaped
+    # checkpoint, shared key at rank 768). Bounding the heap's growth between steps as well (cpu.BoundedHeap, 16
+    # or 32 MB) made that refinement 40% slower for no lower peak.
+    return_freed_heap()
+    _steps(groups, states, optimizer, rates, average, minibatch_loss, held_out_losses, steps, check_every, patience,
+           warmup, on_check)
     return [(state.best, state.initial, state.best_loss, state.taken) for state in states]
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..cpu import return_freed_heap
 from ..devices import HOST, Device, training_products
 from .held_out_adam import adam_with_held_out_groups, held_out_count
 from .refinement import drawn_rows
@@ -154,11 +155,9 @@ def refine_shared_keys(layers: list[LayerToRefine], steps: int = 200, learning_r
 
     kl_before = [_held_out_kl(problems, state) for problems, state in zip(checks, parameters, strict=True)]
     products = training_products(device)  # the steps' products; the held-out checks stay in float32
-    stacks = [StackedSequences(layer.samples[:-held] if held else layer.samples, layer.geometry,
-                               layer.setting.on(device), layer_slots, device, targets=True, products=products,
-                               consume=consume, for_steps=True) for layer, layer_slots in zip(layers, slots, strict=True)]
-    sequences = stacks[0] if len(stacks) == 1 else StackedSequences.folded(stacks)
-    stacks = None
+    stacks = [_stacked(layer, layer_slots, held, device, products, consume, len(layers) > 1)
+              for layer, layer_slots in zip(layers, slots, strict=True)]
+    sequences, stacks = stacks[0] if len(stacks) == 1 else StackedSequences.folded(stacks), None
     lengths, generator = sequences.query_lengths.to(HOST), torch.Generator().manual_seed(seed)
 
     def minibatch_loss() -> torch.Tensor:
@@ -177,6 +176,19 @@ def refine_shared_keys(layers: list[LayerToRefine], steps: int = 200, learning_r
     objective = "attention output" if checks[0][0].values is not None else "attention KL"
     return [_refined(layer, problems, before, *result, objective)
             for layer, problems, before, result in zip(layers, checks, kl_before, results, strict=True)]
+
+
+def _stacked(layer: LayerToRefine, slots: torch.Tensor, held: int, device: Device, products: torch.dtype,
+             consume: bool, trimmed: bool) -> StackedSequences:
+    """The layer's training sequences stacked for the steps. `trimmed`: what the stacking freed is handed back at
+    once (cpu.return_freed_heap), so that several layers stacked in turn inside the steps' reused heap do not pile
+    their transients up (four SmolLM2 layers: 270 MB above their live tensors)."""
+    stack = StackedSequences(layer.samples[:-held] if held else layer.samples, layer.geometry,
+                             layer.setting.on(device), slots, device, targets=True, products=products,
+                             consume=consume, for_steps=True)
+    if trimmed:
+        return_freed_heap()
+    return stack
 
 
 def padded_slots(ranks, width: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ...options import CompressOptions
 from ...progress import DETAIL, Progress
 from ...results import MultiQueryLayerReport, rounded
 from ...streaming import FoldedFits, fit_workers, layer_labels, stream_weights
-from ..shared_key.fitting import refined_together, score_shares, shape_of
+from ..shared_key.fitting import refine_layers, refined_together, score_shares, shape_of
 from ..shared_key.statistics import geometry_of
 from .statistics import STEP_SEQUENCES
 
@@ -111,25 +111,16 @@ def _start(source: SourceModel, layer: AttentionLayer, width: int, profile: KeyR
 
 def _refine(group: list[_Fitted], options: CompressOptions, announce) -> list[_Fitted]:
     """The group's layers refined in the same steps, key and value latent together; each one's time is its share."""
-    from ...decompose.shared_key_refinement import LayerToRefine, refine_shared_keys
+    from ...decompose.shared_key_refinement import LayerToRefine
 
-    announce("refining")
-    started = time.perf_counter()
     layers = [LayerToRefine(fitted.samples, fitted.factors, fitted.geometry, fitted.setting, fitted.latent)
               for fitted in group]
     for fitted in group:  # the refinement lets the samples go as it stacks them (consume)
         fitted.samples = fitted.setting = None
-    # (its steps take their working set from a heap that keeps it, held_out_adam; not the stacking before them)
-    results = refine_shared_keys(layers, steps=options.refine_steps, seed=options.seed, device=options.device,
-                                 consume=True, batch_sequences=STEP_SEQUENCES)
-    layers = None
-    share = (time.perf_counter() - started) / len(group)
-    for fitted, refined in zip(group, results, strict=True):
+    for fitted, (refined, record, share) in zip(group, refine_layers(layers, options, announce, STEP_SEQUENCES),
+                                                strict=True):
         fitted.factors, fitted.latent, fitted.seconds = refined.factors, refined.values, fitted.seconds + share
-        fitted.refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
-                             "objective": refined.objective, "loss_before": refined.loss_before,
-                             "loss_after": refined.loss_after, "layers_together": len(group),
-                             "value_start": fitted.weighting}
+        fitted.refinement = {**record, "value_start": fitted.weighting}
     return group
 
 

@@ -14,6 +14,7 @@ import torch
 
 from ...architectures.layouts import AttentionLayer
 from ...architectures.source import SourceModel
+from ...cpu import reused_heap
 from ...decompose.costs import SharedKeyShape, original_grouped_cost, shared_key_cost
 from ...decompose.shared_key import (
     HeadGeometry,
@@ -158,8 +159,11 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
 # Of the checkpoint's size, what the layers refined together may hold by default (--refine-together): their
 # calibration samples, stacked for the steps, and their parameters with Adam's state. Measured on SmolLM2 (300
 # documents, half the key cache), each layer added to a refinement added 54 MB to its peak, 2.2 times its samples'
-# 24 MB (docs/benchmarks.md, "Layers refined side by side in one step"); the bound is half the checkpoint in all.
-TOGETHER_SHARE = 0.25
+# 24 MB. At a quarter, a 24-layer GPT-2-medium-shaped checkpoint refined 2-3 layers together and its peak rose by up
+# to 89 MB over one at a time (under the bound of half the checkpoint, but no longer flat from 12 to 24 layers); at
+# an eighth, a model folds layers by default only where their samples are small beside its weights (billions of
+# parameters). docs/benchmarks.md, "Layers refined side by side in one step".
+TOGETHER_SHARE = 0.125
 SAMPLES_HELD = 2.5  # a refined layer's memory, as a multiple of its samples' bytes
 PARAMETER_BYTES = 32  # a parameter's float32 value, gradient, Adam's two moments, average, best, start, padding
 
@@ -215,24 +219,32 @@ def _start(layer: AttentionLayer, ranks: KeyRanks, statistics: Mapping[str, KeyS
 
 def _refine(group: list[_Fitted], options: CompressOptions, announce) -> list[_Fitted]:
     """The group's layers refined in the same steps; each one's time is its share."""
-    from ...decompose.shared_key_refinement import LayerToRefine, refine_shared_keys
+    from ...decompose.shared_key_refinement import LayerToRefine
 
-    announce("refining")
-    started = time.perf_counter()
     layers = [LayerToRefine(fitted.samples, fitted.factors, fitted.geometry, fitted.setting) for fitted in group]
     for fitted in group:  # the samples are the refinement's now: it lets them go as it stacks them (consume)
         fitted.samples = fitted.setting = None
-    # (its steps take their working set from a heap that keeps it, held_out_adam; not the stacking before them)
-    results = refine_shared_keys(layers, steps=options.refine_steps, seed=options.seed, device=options.device,
-                                 consume=True, batch_sequences=STEP_SEQUENCES)
-    layers = None
-    share = (time.perf_counter() - started) / len(group)
-    for fitted, refined in zip(group, results, strict=True):
-        fitted.factors, fitted.seconds = refined.factors, fitted.seconds + share
-        fitted.refinement = {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
-                             "objective": refined.objective, "loss_before": refined.loss_before,
-                             "loss_after": refined.loss_after, "layers_together": len(group)}
+    for fitted, (refined, record, share) in zip(group, refine_layers(layers, options, announce, STEP_SEQUENCES),
+                                                strict=True):
+        fitted.factors, fitted.seconds, fitted.refinement = refined.factors, fitted.seconds + share, record
     return group
+
+
+def refine_layers(layers: list, options: CompressOptions, announce, step_sequences: int) -> list[tuple]:
+    """Layers (decompose.shared_key_refinement.LayerToRefine) refined in the same steps, their samples let go as
+    they are stacked: for each, (its refinement, what report.json says of it, its share of the time)."""
+    from ...decompose.shared_key_refinement import refine_shared_keys
+
+    announce("refining")
+    started = time.perf_counter()
+    with reused_heap(keep_top=True):  # the steps' working set, allocated afresh at every step (cpu.reused_heap)
+        results = refine_shared_keys(layers, steps=options.refine_steps, seed=options.seed, device=options.device,
+                                     consume=True, batch_sequences=step_sequences)
+    share = (time.perf_counter() - started) / len(results)
+    return [(refined, {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
+                       "objective": refined.objective, "loss_before": refined.loss_before,
+                       "loss_after": refined.loss_after, "layers_together": len(results)}, share)
+            for refined in results]
 
 
 def _finish(source: SourceModel, layer: AttentionLayer, fitted: _Fitted, normed: bool):
