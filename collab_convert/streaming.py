@@ -72,21 +72,23 @@ class FoldedFits:
     start(layer, announce) -> state; together(states, announce) -> states; finish(layer, state) -> (report,
     tensors); announce(stage) shows the stage and the layers it is at."""
 
-    def __init__(self, order: list[AttentionLayer], start, together, finish, joins, size, labels: dict[str, str],
-                 total: int):
+    def __init__(self, order: list[AttentionLayer], start, together, finish, joins, size, labels: dict[str, str]):
+        """`labels`: every layer's "layer k/L" by prefix (layer_labels), in the order they are written."""
         self.order, self.start, self.together, self.finish = order, start, together, finish
-        self.joins, self.size, self.labels, self.total = joins, size, labels, total
+        self.joins, self.size, self.labels = joins, size, labels
+        self.positions = {prefix: index for index, prefix in enumerate(labels)}
         self.waiting: dict[str, tuple[LayerReport, dict[str, torch.Tensor]]] = {}
 
     def __call__(self, layer: AttentionLayer, progress: Progress):
         if layer.prefix in self.waiting:
             return self.waiting.pop(layer.prefix)
         index = self.order.index(layer) if layer in self.order else len(self.order)
+        done = self.positions[layer.prefix]  # layers before it in the write order, finished ones (--resume) too
 
         def announce(stage: str, group: list[AttentionLayer]) -> None:  # "layer 3/30", or "layers 3-6/30"
             first, last = self.labels[group[0].prefix], self.labels[group[-1].prefix]
             where = first if len(group) == 1 else f"layers {first.split()[1].split('/')[0]}-{last.split()[1]}"
-            progress(f"{stage}{DETAIL}{where}", index, self.total)
+            progress(f"{stage}{DETAIL}{where}", done, len(self.labels))
 
         state = self.start(layer, lambda stage: announce(stage, [layer]))
         group, states = [layer], [state]

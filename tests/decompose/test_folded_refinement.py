@@ -110,7 +110,7 @@ def test_folded_fits_refine_up_to_the_group_size_and_hand_each_layer_its_own_res
 
     fits = FoldedFits(layers, start, together, lambda member, state: (member.prefix, state["prefix"]),
                       joins=lambda state: state["refine"], size=lambda state: 3,
-                      labels={m.prefix: f"layer {i + 1}/6" for i, m in enumerate(layers)}, total=6)
+                      labels={m.prefix: f"layer {i + 1}/6" for i, m in enumerate(layers)})
     shown = []
     results = [fits(member, lambda stage, done, total: shown.append(stage)) for member in layers]
     assert results == [(m.prefix, m.prefix) for m in layers]

@@ -71,7 +71,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
                       size=lambda fitted: refined_together(source, options, fitted.samples, [
                           fitted.factors.key_mixing, fitted.factors.query_core, fitted.latent.down,
                           head_up_projections(fitted.latent, fitted.geometry.group_of_head)]),
-                      labels=labels, total=len(source.layers))
+                      labels=labels)
     return stream_weights(source, folder, options, progress, specs, fits, finished, workers=0,
                           passing=source.layout.passing)
 

@@ -152,7 +152,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
                       joins=lambda fitted: fitted.samples is not None,
                       size=lambda fitted: refined_together(source, options, fitted.samples, [
                           fitted.factors.key_mixing, fitted.factors.query_core, fitted.factors.pass_core]),
-                      labels=labels, total=len(source.layers))
+                      labels=labels)
     return stream_weights(source, folder, options, progress, specs, fits, finished, workers=0, guarded=True)
 
 
