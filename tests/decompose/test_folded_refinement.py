@@ -8,37 +8,20 @@ import pytest
 import torch
 
 from collab_convert.decompose import shared_key_refinement
-from collab_convert.decompose.shared_key import HeadGeometry, KeyRanks, fit_shared_key, slot_frequencies, statistics_of
-from collab_convert.decompose.shared_key_batches import AttentionSetting, SharedKeySample, StackedSequences
+from collab_convert.decompose.shared_key import KeyRanks
 from collab_convert.decompose.shared_key_refinement import LayerToRefine, foldable, refine_shared_keys
-from collab_convert.decompose.value_latent import fit_value_latent, output_metric, value_moment
+from collab_convert.decompose.value_latent import fit_value_latent, output_metric
 from collab_convert.streaming import FoldedFits
+from fixtures.attention_samples import GEOMETRY, layer_with_samples
 
-GEOMETRY = HeadGeometry(num_heads=4, kv_heads=2, head_dim=8, rotary_dim=8)
 LENGTHS = (24, 17, 24, 9, 24, 24, 20, 24, 24, 13, 22, 24)
 
 
 def layer(seed: int, ranks: KeyRanks, lengths=LENGTHS, values: bool = False) -> LayerToRefine:
-    """A small random layer with its calibration samples, which carry their attention output as the calibration
-    pass records it, and its shared key fitted at `ranks`."""
-    generator = torch.Generator().manual_seed(seed)
-    samples, statistics = [], None
-    for length in lengths:
-        queries, keys, values_ = (torch.randn(length, heads, 8, generator=generator) for heads in (4, 2, 2))
-        samples.append(SharedKeySample(queries.half(), keys.half(), values_.half()))
-        more = statistics_of(queries, keys, GEOMETRY)
-        statistics = more if statistics is None else statistics + more
-    angles = torch.arange(24).float()[:, None] * 0.3 ** torch.arange(4).float()
-    setting = AttentionSetting(8 ** -0.5, torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1),
-                               output_weight=torch.randn(32, 32, generator=generator))
-    factors = fit_shared_key(statistics, GEOMETRY, ranks)
-    stacked = StackedSequences(samples, GEOMETRY, setting, slot_frequencies(factors.ranks), targets=True)
-    for i, sample in enumerate(samples):
-        sample.target_output = stacked.target_output[i, : sample.queries.shape[0]].half()
-    latent = None
-    if values:
-        moment = sum(value_moment(s.values.float()) for s in samples)
-        latent = fit_value_latent(moment, output_metric(setting.output_weight, GEOMETRY), 8, 2)
+    """A small random layer (fixtures.attention_samples) with its calibration samples, which carry their attention
+    output as the calibration pass records it, and its shared key fitted at `ranks`."""
+    samples, _, factors, setting, moment = layer_with_samples(seed, recorded=True, lengths=lengths, ranks=ranks)
+    latent = fit_value_latent(moment, output_metric(setting.output_weight, GEOMETRY), 8, 2) if values else None
     return LayerToRefine(samples, factors, GEOMETRY, setting, latent)
 
 

@@ -4,9 +4,9 @@ refined together with the shared key against the attention output, never worse o
 import pytest
 import torch
 
-from collab_convert.decompose.shared_key import HeadGeometry, KeyRanks, fit_shared_key, statistics_of
+from collab_convert.decompose.shared_key import KeyRanks, fit_shared_key
 from collab_convert.decompose.shared_key import slot_frequencies
-from collab_convert.decompose.shared_key_batches import AttentionSetting, SharedKeySample, StackedSequences
+from collab_convert.decompose.shared_key_batches import StackedSequences
 from collab_convert.decompose.shared_key_refinement import attention_output_errors, refine_shared_key
 from collab_convert.decompose.value_latent import (
     fit_value_latent,
@@ -15,8 +15,8 @@ from collab_convert.decompose.value_latent import (
     value_moment,
     value_spectrum,
 )
+from fixtures.attention_samples import GEOMETRY, layer_with_samples
 
-GEOMETRY = HeadGeometry(num_heads=4, kv_heads=2, head_dim=8, rotary_dim=8)
 
 
 def values_and_output(seed: int = 0):
@@ -55,7 +55,7 @@ def test_the_output_metric_decides_which_directions_stay():
 
 
 def test_refining_the_key_and_values_together_never_loses_on_held_out_sequences():
-    samples, statistics, factors, setting, moment = _layer_with_samples(lengths=(24,) * 20)
+    samples, statistics, factors, setting, moment = layer_with_samples(lengths=(24,) * 20)
     latent = fit_value_latent(moment, output_metric(setting.output_weight, GEOMETRY), 8, 2)
     full_key = fit_shared_key(statistics, GEOMETRY, KeyRanks((2, 2, 2, 2), 0))
     full_values = fit_value_latent(moment, output_metric(setting.output_weight, GEOMETRY), 16, 2)
@@ -65,29 +65,6 @@ def test_refining_the_key_and_values_together_never_loses_on_held_out_sequences(
     assert refined.objective == "attention output" and refined.loss_after <= refined.loss_before
     assert refined.values.up.shape == (4, 8, 8)  # one up-projection per head once refined
     assert head_up_projections(latent, GEOMETRY.group_of_head).shape == (4, 8, 8)
-
-
-def _layer_with_samples(seed: int = 3, recorded: bool = False,
-                        lengths: tuple[int, ...] = (24, 17, 24, 9, 24, 24, 20, 24, 24, 13)):
-    """(samples, their key statistics, factors of a reduced shared key, setting, value moment) of a small random
-    layer, one sample of each length; `recorded`: the samples carry their attention output as a calibration pass
-    records it (float16)."""
-    generator = torch.Generator().manual_seed(seed)
-    samples, statistics = [], None
-    for length in lengths:
-        queries, keys, values = (torch.randn(length, heads, 8, generator=generator) for heads in (4, 2, 2))
-        samples.append(SharedKeySample(queries.half(), keys.half(), values.half()))
-        more = statistics_of(queries, keys, GEOMETRY)
-        statistics = more if statistics is None else statistics + more
-    angles = torch.arange(24).float()[:, None] * 0.3 ** torch.arange(4).float()
-    setting = AttentionSetting(8 ** -0.5, torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1),
-                               output_weight=torch.randn(32, 32, generator=generator))
-    factors = fit_shared_key(statistics, GEOMETRY, KeyRanks((1, 1, 1, 1), 0))
-    if recorded:
-        stacked = StackedSequences(samples, GEOMETRY, setting, slot_frequencies(factors.ranks), targets=True)
-        for i, sample in enumerate(samples):
-            sample.target_output = stacked.target_output[i, : sample.queries.shape[0]].half()
-    return samples, statistics, factors, setting, sum(value_moment(s.values.float()) for s in samples)
 
 
 def _each_alone(samples, factors, setting, latent) -> float:
@@ -104,7 +81,7 @@ def _each_alone(samples, factors, setting, latent) -> float:
 
 
 def test_candidate_value_latents_scored_together_score_as_each_alone():
-    samples, _, factors, setting, moment = _layer_with_samples()
+    samples, _, factors, setting, moment = layer_with_samples()
     candidates = [None, fit_value_latent(moment, output_metric(setting.output_weight, GEOMETRY), 8, 2),
                   fit_value_latent(moment, output_metric(setting.output_weight, GEOMETRY, summed=True), 4, 2)]
     together = attention_output_errors(samples, factors, GEOMETRY, setting, candidates)
@@ -114,7 +91,7 @@ def test_candidate_value_latents_scored_together_score_as_each_alone():
 
 
 def test_candidates_are_scored_against_the_outputs_the_calibration_pass_recorded():
-    samples, _, factors, setting, moment = _layer_with_samples(recorded=True)
+    samples, _, factors, setting, moment = layer_with_samples(recorded=True)
     latent = fit_value_latent(moment, output_metric(setting.output_weight, GEOMETRY), 8, 2)
     recorded = attention_output_errors(samples, factors, GEOMETRY, setting, [latent])[0]
     assert recorded == pytest.approx(_each_alone(samples, factors, setting, latent), rel=1e-2)  # float16 targets
@@ -125,7 +102,7 @@ def test_candidates_are_scored_against_the_outputs_the_calibration_pass_recorded
 
 
 def test_each_head_reads_the_latent_through_its_own_up_projection():
-    samples, _, factors, setting, _ = _layer_with_samples(recorded=True)
+    samples, _, factors, setting, _ = layer_with_samples(recorded=True)
     problem = StackedSequences(samples, GEOMETRY, setting, slot_frequencies(factors.ranks), targets=True).problem(
         torch.arange(len(samples)))
     generator = torch.Generator().manual_seed(5)
