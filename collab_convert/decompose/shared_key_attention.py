@@ -191,7 +191,7 @@ class AttentionProblem:
         """What Adam's steps minimise: the sum over the batch's layers of each one's objective over its own
         normaliser (the parameters stacked (L, ...)). Each layer's gradient is then its own alone."""
         if self.values is None:  # the KL's normaliser, the real (head, query) rows, is the same in every layer
-            return self._kl_sum(torch.log_softmax(self._shared_scores(mixing, core, pass_core), dim=-1)) / max(
+            return self.kl_sum(torch.log_softmax(self._shared_scores(mixing, core, pass_core), dim=-1)) / max(
                 float(self.valid.sum()) / self.layers, 1e-30)
         energy = self.row_energy.view(self.layers, -1).sum(-1).clamp_min(1e-30)  # each layer's normaliser
         weights = self.rows / energy.repeat_interleave(self.rows.shape[0] // self.layers)[:, None]
@@ -204,9 +204,6 @@ class AttentionProblem:
         return torch.log_softmax(self._shared_scores(mixing[None], core[None], pass_core[None]), dim=-1)
 
     def kl_sum(self, predicted: torch.Tensor) -> torch.Tensor:
-        return self._kl_sum(predicted)
-
-    def _kl_sum(self, predicted: torch.Tensor) -> torch.Tensor:
         kl = (self.target_p * (self.target - predicted)).nan_to_num(0.0).sum(-1)
         return kl[self.valid].sum()
 

@@ -86,6 +86,15 @@ class LayerToRefine:
     setting: AttentionSetting
     values: ValueLatent | None = None
 
+    def starts(self) -> list[torch.Tensor]:
+        """What its refinement starts from, in their own shapes: the key mixing, the query cores and the pass cores,
+        then the value latent's down-projection and an up-projection per head (its output projection absorbs it, so
+        this costs nothing at inference: the PCA's per-group ones are where they start)."""
+        starts = [self.factors.key_mixing, self.factors.query_core, self.factors.pass_core]
+        if self.values is not None:
+            starts += [self.values.down, self.values.up[self.geometry.group_of_head]]
+        return starts
+
 
 def foldable(layers: list[LayerToRefine]) -> bool:
     """Whether these layers can share steps (refine_shared_keys): the same shapes, the same sequences (lengths),
@@ -200,30 +209,23 @@ def padded_slots(ranks, width: int) -> torch.Tensor:
 def _parameters(layer: LayerToRefine, width: int, pass_width: int, device: Device, consume: bool):
     """The layer's parameters, float32 on `device`, with zero slots up to `width` complex and `pass_width` pass
     ones: the key mixing's rows (real parts, imaginary parts, pass rows) and the cores' columns."""
-    factors, values = layer.factors, layer.values
+    factors, start = layer.factors, layer.starts()
     own, own_pass = factors.query_core.shape[-1], factors.pass_core.shape[-1]
-    start = [factors.key_mixing, factors.query_core, factors.pass_core]
     if (own, own_pass) != (width, pass_width):
         mixing = factors.key_mixing.new_zeros(2 * width + pass_width, factors.key_mixing.shape[1])
         for begin, to, count in ((0, 0, own), (own, width, own), (2 * own, 2 * width, own_pass)):
             mixing[to : to + count] = factors.key_mixing[begin : begin + count]
-        start = [mixing, torch.nn.functional.pad(factors.query_core, (0, width - own)),
-                 torch.nn.functional.pad(factors.pass_core, (0, pass_width - own_pass))]
-    # every head reads the shared latent through an up-projection of its own (its output projection absorbs it, so
-    # this costs nothing at inference): the PCA's per-group ones are where they start
-    if values is not None:
-        start += [values.down, values.up[layer.geometry.group_of_head]]
+        start[:3] = [mixing, torch.nn.functional.pad(factors.query_core, (0, width - own)),
+                     torch.nn.functional.pad(factors.pass_core, (0, pass_width - own_pass))]
     return [(t.to(device, torch.float32) if consume else t.to(device, torch.float32).clone()).detach()
             .requires_grad_(True) for t in start]
 
 
 def _typical(state: list[torch.Tensor], layer: LayerToRefine) -> list[float]:
     """Each parameter's typical entry, which sets its rate: the mean size of its own entries, not of its zero slots."""
-    own = [layer.factors.key_mixing, layer.factors.query_core, layer.factors.pass_core]
-    if layer.values is not None:
-        own += [layer.values.down, layer.values.up[layer.geometry.group_of_head]]
     return [float(t.detach().abs().mean().clamp_min(1e-8)) if t.numel() == mine.numel() else
-            max(float(t.detach().abs().sum()) / max(mine.numel(), 1), 1e-8) for t, mine in zip(state, own, strict=True)]
+            max(float(t.detach().abs().sum()) / max(mine.numel(), 1), 1e-8)
+            for t, mine in zip(state, layer.starts(), strict=True)]
 
 
 def _held_out_kl(checks, state: list[torch.Tensor]) -> float:

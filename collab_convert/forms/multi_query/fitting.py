@@ -66,11 +66,10 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
                               passing=source.layout.passing)
     # refined layers a few at a time in the same steps, as the shared-key form's (forms/shared_key/fitting.py)
     order = [layer for layer in source.layers if not (finished and finished.has(layer))]
+    checkpoint = source.weight_bytes  # read once: every group's size is a share of it
     fits = FoldedFits(order, start, lambda group, announce: _refine(group, options, announce), finish,
                       joins=lambda fitted: fitted.samples is not None,
-                      size=lambda fitted: refined_together(source, options, fitted.samples, [
-                          fitted.factors.key_mixing, fitted.factors.query_core, fitted.latent.down,
-                          head_up_projections(fitted.latent, fitted.geometry.group_of_head)]),
+                      size=lambda fitted: refined_together(checkpoint, options, fitted.to_refine()),
                       labels=labels)
     return stream_weights(source, folder, options, progress, specs, fits, finished, workers=0,
                           passing=source.layout.passing)
@@ -93,6 +92,11 @@ class _Fitted:
     seconds: float
     refinement: dict | None = None
 
+    def to_refine(self):
+        from ...decompose.shared_key_refinement import LayerToRefine
+
+        return LayerToRefine(self.samples, self.factors, self.geometry, self.setting, self.latent)
+
 
 def _start(source: SourceModel, layer: AttentionLayer, width: int, profile: KeyRanks, record,
            options: CompressOptions, announce) -> _Fitted:
@@ -111,10 +115,7 @@ def _start(source: SourceModel, layer: AttentionLayer, width: int, profile: KeyR
 
 def _refine(group: list[_Fitted], options: CompressOptions, announce) -> list[_Fitted]:
     """The group's layers refined in the same steps, key and value latent together; each one's time is its share."""
-    from ...decompose.shared_key_refinement import LayerToRefine
-
-    layers = [LayerToRefine(fitted.samples, fitted.factors, fitted.geometry, fitted.setting, fitted.latent)
-              for fitted in group]
+    layers = [fitted.to_refine() for fitted in group]
     for fitted in group:  # the refinement lets the samples go as it stacks them (consume)
         fitted.samples = fitted.setting = None
     for fitted, (refined, record, share) in zip(group, refine_layers(layers, options, announce, STEP_SEQUENCES),

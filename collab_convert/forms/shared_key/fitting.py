@@ -4,7 +4,6 @@ calibration kept samples, and written in place of the key projection as the chec
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -148,10 +147,10 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
     # threads: two refinements side by side (one torch thread each) took 0.57-0.97 of the time, and held both
     # working sets at once
     order = [layer for layer in source.layers if not (finished and finished.has(layer))]
+    checkpoint = source.weight_bytes  # read once: every group's size is a share of it
     fits = FoldedFits(order, start, lambda group, announce: _refine(group, options, announce), finish,
                       joins=lambda fitted: fitted.samples is not None,
-                      size=lambda fitted: refined_together(source, options, fitted.samples, [
-                          fitted.factors.key_mixing, fitted.factors.query_core, fitted.factors.pass_core]),
+                      size=lambda fitted: refined_together(checkpoint, options, fitted.to_refine()),
                       labels=labels)
     return stream_weights(source, folder, options, progress, specs, fits, finished, workers=0, guarded=True)
 
@@ -168,16 +167,15 @@ SAMPLES_HELD = 2.5  # a refined layer's memory, as a multiple of its samples' by
 PARAMETER_BYTES = 32  # a parameter's float32 value, gradient, Adam's two moments, average, best, start, padding
 
 
-def refined_together(source: SourceModel, options: CompressOptions, samples: list, parameters: list) -> int:
-    """How many layers refine in the same steps: --refine-together, else as many as fit in TOGETHER_SHARE of the
-    checkpoint, at most FOLDED_LAYERS (and at least one)."""
+def refined_together(checkpoint_bytes: int, options: CompressOptions, layer) -> int:
+    """How many layers refine in the same steps as `layer` (decompose.shared_key_refinement.LayerToRefine):
+    --refine-together, else as many such layers as fit in TOGETHER_SHARE of the checkpoint, at most FOLDED_LAYERS
+    (and at least one)."""
     if options.refine_together:
         return options.refine_together
-    held = SAMPLES_HELD * sum(t.nbytes for sample in samples for t in vars(sample).values()
-                              if isinstance(t, torch.Tensor)) + PARAMETER_BYTES * sum(t.numel() for t in parameters)
-    checkpoint = sum(spec.dtype.itemsize * math.prod(spec.shape) for spec in map(source.reader.spec,
-                                                                                   source.reader.names()))
-    return max(1, min(FOLDED_LAYERS, int(TOGETHER_SHARE * checkpoint // max(held, 1))))
+    held = SAMPLES_HELD * sum(t.nbytes for sample in layer.samples for t in vars(sample).values()
+                              if isinstance(t, torch.Tensor)) + PARAMETER_BYTES * sum(t.numel() for t in layer.starts())
+    return max(1, min(FOLDED_LAYERS, int(TOGETHER_SHARE * checkpoint_bytes // max(held, 1))))
 
 
 @dataclass
@@ -191,6 +189,11 @@ class _Fitted:
     calibrated: bool
     seconds: float
     refinement: dict | None = None
+
+    def to_refine(self):
+        from ...decompose.shared_key_refinement import LayerToRefine
+
+        return LayerToRefine(self.samples, self.factors, self.geometry, self.setting)
 
 
 def _start(layer: AttentionLayer, ranks: KeyRanks, statistics: Mapping[str, KeyStatistics], calibrations,
@@ -219,9 +222,7 @@ def _start(layer: AttentionLayer, ranks: KeyRanks, statistics: Mapping[str, KeyS
 
 def _refine(group: list[_Fitted], options: CompressOptions, announce) -> list[_Fitted]:
     """The group's layers refined in the same steps; each one's time is its share."""
-    from ...decompose.shared_key_refinement import LayerToRefine
-
-    layers = [LayerToRefine(fitted.samples, fitted.factors, fitted.geometry, fitted.setting) for fitted in group]
+    layers = [fitted.to_refine() for fitted in group]
     for fitted in group:  # the samples are the refinement's now: it lets them go as it stacks them (consume)
         fitted.samples = fitted.setting = None
     for fitted, (refined, record, share) in zip(group, refine_layers(layers, options, announce, STEP_SEQUENCES),
