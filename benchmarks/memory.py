@@ -1,14 +1,18 @@
-"""Peak memory of `compress` against checkpoint size, on GPT-2-medium-shaped bf16 checkpoints.
+"""Peak memory of `compress` against checkpoint size, on GPT-2-medium-shaped or Llama-shaped bf16 checkpoints.
 
-Builds GPT-2 checkpoints (n_embd 1024, 16 heads, bf16, a small vocabulary) with 12 and 24 layers, saved in
-100 MB shards, then compresses each in a fresh process and reports the peak resident memory (anonymous and
-file-backed, sampled every 2 ms) above that process's own baseline, taken after its imports and a warm-up
-compression of a one-layer model of the same width (one-time lazy loading of library code is not what
-grows with the model). Streaming means: one input shard mapped, one layer's math and
+Builds GPT-2 checkpoints (n_embd 1024, 16 heads, bf16, a small vocabulary) with 12 and 24 layers, or with
+--shape llama rotary grouped-query ones of the same width (16 query heads and 4 key-value heads of 64, a SwiGLU
+feed-forward of 2816, untied embeddings), saved in 100 MB shards, then compresses each in a fresh process and
+reports the peak resident memory (anonymous and file-backed, sampled every 2 ms) above that process's own
+baseline, taken after its imports and a warm-up compression of a one-layer model of the same shape (one-time lazy
+loading of library code is not what grows with the model). Streaming means: one input shard mapped, one layer's math and
 one tensor in flight at a time, so the peak stays flat as the model grows.
 
     python benchmarks/memory.py [--ranks 256,512,768] [--calibration DOCUMENTS [--refine-steps 200,20]]
-        [--form shared-key]
+        [--form shared-key] [--shape llama]
+
+With --shape llama the form is the rotary shared key, and a rank is its key width per layer (of 256: 64, 128 and
+192 are a quarter, half and three quarters of the key cache).
 
 Every combination of rank and refinement steps is measured (the bound must hold across them, not at one point).
 
@@ -77,14 +81,20 @@ print(json.dumps({"baseline": baseline, "peak": peak[0], "seconds": seconds, "st
 """
 
 
-def build(folder: Path, layers: int, with_tokenizer: bool = False) -> int:
+def build(folder: Path, layers: int, with_tokenizer: bool = False, shape: str = "gpt2") -> int:
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = GPT2Config(n_embd=1024, n_layer=layers, n_head=16, n_positions=1024,
-                        vocab_size=50257 if with_tokenizer else 1000, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(config).to(torch.bfloat16)
+    if shape == "llama":  # the tokenizer's ids (30,522) fit Llama's vocabulary
+        config = LlamaConfig(hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
+                             intermediate_size=2816, max_position_embeddings=1024,
+                             vocab_size=32000 if with_tokenizer else 1000, bos_token_id=0, eos_token_id=0)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    else:
+        config = GPT2Config(n_embd=1024, n_layer=layers, n_head=16, n_positions=1024,
+                            vocab_size=50257 if with_tokenizer else 1000, bos_token_id=0, eos_token_id=0)
+        model = GPT2LMHeadModel(config).to(torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="100MB")
     if with_tokenizer:
         import shutil
@@ -128,11 +138,16 @@ def main() -> None:
     parser.add_argument("--calibration", type=int, default=0, help="calibrate on this many Brown documents")
     parser.add_argument("--refine-steps", default="200",
                         help="with --calibration: refinement steps per layer to measure at (200: the collaborative "
-                        "form's default; the shared-key form's is 160), e.g. 200,20")
+                        "and shared-key forms' default), e.g. 200,20")
+    parser.add_argument("--refine-together", type=int, default=0,
+                        help="compress --refine-together (0: its default, which fits a group in a share of the checkpoint)")
+    parser.add_argument("--shape", default="gpt2", choices=["gpt2", "llama"],
+                        help="GPT-2-medium-shaped checkpoints (absolute positions) or Llama-shaped (rotary, "
+                        "grouped keys)")
     parser.add_argument("--form", default="auto", help="compress --form: collaborative (the default here) or "
                         "shared-key (--rank is then the shared key's width)")
     args = parser.parse_args()
-    settings = {"form": args.form}
+    settings = {"form": args.form, **({"refine_together": args.refine_together} if args.refine_together else {})}
     print(f"{'rank':>5} {'refine':>6} {'layers':>6} {'checkpoint':>11} {'shards':>7} {'peak above baseline':>20} "
           f"{'share':>7} {'seconds':>8}")
     with tempfile.TemporaryDirectory() as scratch:
@@ -145,12 +160,12 @@ def main() -> None:
             texts.write_text("\n".join(fitted[: args.calibration] + held_out[:32]) + "\n")
             settings.update(calibration=str(texts), calibration_samples=args.calibration)
             print(f"calibration: {args.calibration} documents, fidelity measured on 32 held-out ones")
-        warmup = Path(scratch) / "gpt2-warmup"
-        build(warmup, 1, bool(args.calibration))
+        warmup = Path(scratch) / f"{args.shape}-warmup"
+        build(warmup, 1, bool(args.calibration), args.shape)
         steps = [int(n) for n in args.refine_steps.split(",")] if args.calibration else [0]
         depths = [int(n) for n in args.layers.split(",")]
-        sources = {layers: Path(scratch) / f"gpt2-{layers}" for layers in depths}
-        sizes = {layers: build(sources[layers], layers, bool(args.calibration)) for layers in depths}
+        sources = {layers: Path(scratch) / f"{args.shape}-{layers}" for layers in depths}
+        sizes = {layers: build(sources[layers], layers, bool(args.calibration), args.shape) for layers in depths}
         for rank in [int(n) for n in args.ranks.split(",")]:
             for refine in steps:
                 for layers in depths:

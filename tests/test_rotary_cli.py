@@ -114,7 +114,7 @@ def test_refined_layers_show_refining_layer_by_layer(tmp_path):
     refining = [(done, total) for stage, done, total in seen if stage.startswith("refining")]
     layers = len(result.layers)
     assert [done for done, _ in refining] == list(range(layers)) and {total for _, total in refining} == {layers}
-    # a tiny model's layers refine one at a time by default: its calibration samples outweigh its checkpoint
+    # layers refine one at a time by default: memory holds one layer's samples, however deep the model
     assert {layer.refinement["layers_together"] for layer in result.layers} == {1}
     # refined in the same steps, the layers show as one: "layers 1-2/2"
     seen.clear()
@@ -164,7 +164,7 @@ def test_each_form_refines_its_own_default_number_of_steps(tiny_bert, tmp_path, 
 def test_layers_are_refined_one_at_a_time(budget, tmp_path, monkeypatch):
     """Memory holds one refinement at a time (its layers' stacked sequences and step workspace), whatever the
     threads: two side by side broke the 0.5x-checkpoint bound on a GPT-2-medium-shaped model (benchmarks/memory.py).
-    The layers a refinement holds share its steps (forms/shared_key/fitting.py, FOLDED_LAYERS)."""
+    The layers a refinement holds share its steps (--refine-together, forms/shared_key/fitting.py)."""
     import threading
 
     from collab_convert import CompressOptions, compress

@@ -61,11 +61,6 @@ class SourceModel:
         """Each head's value rows and output columns, where weighs_heads; else None (the heads weigh alike)."""
         return self.layout.head_outputs(self.reader, layer) if self.weighs_heads(layer) else None
 
-    @property
-    def weight_bytes(self) -> int:
-        """The bytes of every tensor the reader holds, as stored."""
-        return sum(self.reader.spec(name).nbytes for name in self.reader.names())
-
     def close(self) -> None:
         self.reader.close()
 

@@ -64,12 +64,10 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
 
         return stream_weights(source, folder, options, progress, specs, fit, finished, workers=fit_workers(),
                               passing=source.layout.passing)
-    # refined layers a few at a time in the same steps, as the shared-key form's (forms/shared_key/fitting.py)
+    # refined layers one at a time, or --refine-together of them in the same steps, as the shared-key form's
     order = [layer for layer in source.layers if not (finished and finished.has(layer))]
-    checkpoint = source.weight_bytes  # read once: every group's size is a share of it
     fits = FoldedFits(order, start, lambda group, announce: _refine(group, options, announce), finish,
-                      joins=lambda fitted: fitted.samples is not None,
-                      size=lambda fitted: refined_together(checkpoint, options, fitted.to_refine()),
+                      joins=lambda fitted: fitted.samples is not None, size=lambda _: refined_together(options),
                       labels=labels)
     return stream_weights(source, folder, options, progress, specs, fits, finished, workers=0,
                           passing=source.layout.passing)

@@ -44,7 +44,7 @@ from ...options import CompressOptions
 from ...progress import DETAIL, Progress
 from ...results import SharedKeyLayerReport, rounded
 from ...streaming import FoldedFits, fit_workers, layer_labels, stream_weights
-from .statistics import FOLDED_LAYERS, STEP_SEQUENCES, geometry_of, key_norm
+from .statistics import STEP_SEQUENCES, geometry_of, key_norm
 
 
 def layer_width(source: SourceModel, options: CompressOptions) -> int:
@@ -143,39 +143,25 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
 
         return stream_weights(source, folder, options, progress, specs, fit, finished, workers=fit_workers(),
                               guarded=True)
-    # Refined layers a few at a time in the same steps (FOLDED_LAYERS), on every thread, not side by side in
-    # threads: two refinements side by side (one torch thread each) took 0.57-0.97 of the time, and held both
-    # working sets at once
+    # Refined layers one at a time (or --refine-together of them in the same steps), on every thread, not side by
+    # side in threads: two refinements side by side (one torch thread each) took 0.57-0.97 of the time, and held
+    # both working sets at once
     order = [layer for layer in source.layers if not (finished and finished.has(layer))]
-    checkpoint = source.weight_bytes  # read once: every group's size is a share of it
     fits = FoldedFits(order, start, lambda group, announce: _refine(group, options, announce), finish,
-                      joins=lambda fitted: fitted.samples is not None,
-                      size=lambda fitted: refined_together(checkpoint, options, fitted.to_refine()),
+                      joins=lambda fitted: fitted.samples is not None, size=lambda _: refined_together(options),
                       labels=labels)
     return stream_weights(source, folder, options, progress, specs, fits, finished, workers=0, guarded=True)
 
 
-# Of the checkpoint's size, what the layers refined together may hold by default (--refine-together): their
-# calibration samples, stacked for the steps, and their parameters with Adam's state. Measured on SmolLM2 (300
-# documents, half the key cache), each layer added to a refinement added 54 MB to its peak, 2.2 times its samples'
-# 24 MB. At a quarter, a 24-layer GPT-2-medium-shaped checkpoint refined 2-3 layers together and its peak rose by up
-# to 89 MB over one at a time (under the bound of half the checkpoint, but no longer flat from 12 to 24 layers); at
-# an eighth, a model folds layers by default only where their samples are small beside its weights (billions of
-# parameters). docs/benchmarks.md, "Layers refined side by side in one step".
-TOGETHER_SHARE = 0.125
-SAMPLES_HELD = 2.5  # a refined layer's memory, as a multiple of its samples' bytes
-PARAMETER_BYTES = 32  # a parameter's float32 value, gradient, Adam's two moments, average, best, start, padding
-
-
-def refined_together(checkpoint_bytes: int, options: CompressOptions, layer) -> int:
-    """How many layers refine in the same steps as `layer` (decompose.shared_key_refinement.LayerToRefine):
-    --refine-together, else as many such layers as fit in TOGETHER_SHARE of the checkpoint, at most FOLDED_LAYERS
-    (and at least one)."""
-    if options.refine_together:
-        return options.refine_together
-    held = SAMPLES_HELD * sum(t.nbytes for sample in layer.samples for t in vars(sample).values()
-                              if isinstance(t, torch.Tensor)) + PARAMETER_BYTES * sum(t.numel() for t in layer.starts())
-    return max(1, min(FOLDED_LAYERS, int(TOGETHER_SHARE * checkpoint_bytes // max(held, 1))))
+def refined_together(options: CompressOptions) -> int:
+    """How many layers refine in the same steps (decompose.shared_key_refinement.refine_shared_keys):
+    --refine-together, else one. Each layer added holds its calibration samples, stacked, for the whole group's
+    refinement: on Llama-shaped checkpoints (benchmarks/memory.py --shape llama) a default that grouped as many as
+    fit in an eighth of the checkpoint grouped layers at 24 layers, not at 12, so the peak grew with depth (90 ->
+    156 MB; 95 MB one at a time) for 8% less refining time. Narrow layers gain the most (four SmolLM2-135M layers
+    in 0.62-0.73 of the time), and there each layer added holds 50 MB, past the bound of half the checkpoint.
+    docs/benchmarks.md, "Layers refined together: opt-in"."""
+    return options.refine_together or 1
 
 
 @dataclass

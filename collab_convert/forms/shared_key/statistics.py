@@ -122,10 +122,6 @@ SHARED_KEY_REFINE_SAMPLES = 64  # raw sequences kept per layer for refinement (f
 # form, whose steps refine the value latent too, keeps 8 (its own STEP_SEQUENCES). docs/benchmarks.md, "Smaller
 # shared-key refinement steps".
 STEP_SEQUENCES = 4
-# Layers whose refinements share each step (decompose/shared_key_refinement.refine_shared_keys). A step of one
-# SmolLM2 layer is a few hundred small operators, so L layers' steps together cost far less than L steps
-# (docs/benchmarks.md, "Layers refined side by side in one step").
-FOLDED_LAYERS = 4
 
 
 def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: list[str], progress: Progress,
