@@ -12,7 +12,8 @@ one tensor in flight at a time, so the peak stays flat as the model grows.
         [--form shared-key] [--shape llama]
 
 With --shape llama the form is the rotary shared key, and a rank is its key width per layer (of 256: 64, 128 and
-192 are a quarter, half and three quarters of the key cache).
+192 are a quarter, half and three quarters of the key cache); --kv-cache 0.25,0.5 measures the multi-query export
+at those shares of the KV cache instead of ranks.
 
 Every combination of rank and refinement steps is measured (the bound must hold across them, not at one point).
 
@@ -41,7 +42,7 @@ settings = json.loads(sys.argv[5])
 # Warm-up on a one-layer model of the same shape: lazily loaded library code (LAPACK, the safetensors
 # reader) and allocator arenas are paid once per process, whatever the model size.
 collab_convert.compress(sys.argv[4], collab_convert.CompressOptions(
-    rank=int(sys.argv[3]), output=Path(sys.argv[2] + "-warmup"), max_shard_size="100MB", **settings))
+    output=Path(sys.argv[2] + "-warmup"), max_shard_size="100MB", **settings))
 
 def resident():  # (VmRSS, its anonymous part, its file-backed part) in bytes
     found = {}
@@ -71,7 +72,7 @@ def progress(label, done, total):
 threading.Thread(target=sample, daemon=True).start()
 started = time.perf_counter()
 result = collab_convert.compress(sys.argv[1], collab_convert.CompressOptions(
-    rank=int(sys.argv[3]), output=Path(sys.argv[2]), max_shard_size="100MB", **settings), progress)
+    output=Path(sys.argv[2]), max_shard_size="100MB", **settings), progress)
 seconds = time.perf_counter() - started
 running[0] = False
 peak[0] = max(peak[0], rss())
@@ -108,17 +109,18 @@ def build(folder: Path, layers: int, with_tokenizer: bool = False, shape: str = 
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 
-def measure(source: Path, size: int, layers: int, rank: int, refine: int, warmup: Path, settings: dict) -> None:
-    """One compress in a fresh process: its peak above its own baseline, printed as a row."""
+def measure(source: Path, size: int, layers: int, rank: str, refine: int, warmup: Path, settings: dict) -> None:
+    """One compress in a fresh process (`settings`: its options, the size among them): its peak above its own
+    baseline, printed as a row labelled `rank`."""
     shards = len(list(source.glob("*.safetensors")))
     output = source.parent / f"out-{layers}-{rank}-{refine}"
     run = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(source), str(output), str(rank), str(warmup), json.dumps(settings)],
+        [sys.executable, "-c", MEASURE, str(source), str(output), "", str(warmup), json.dumps(settings)],
         capture_output=True, text=True, check=True,
     )
     measured = json.loads(run.stdout.strip().splitlines()[-1])
     above = measured["peak"] - measured["baseline"]
-    print(f"{rank:>5} {refine:>6} {layers:>6} {size / 1e6:>9.0f}MB {shards:>7} {above / 1e6:>18.0f}MB "
+    print(f"{rank:>5} {refine or 'auto':>6} {layers:>6} {size / 1e6:>9.0f}MB {shards:>7} {above / 1e6:>18.0f}MB "
           f"{above / size:>7.1%} {measured['seconds']:>8.1f}", flush=True)
     print("        seconds per stage: " + ", ".join(f"{k} {v:.1f}" for k, v in measured["stages"].items()))
     print("        peak above baseline per stage: "
@@ -135,12 +137,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="12,24", help="model depths to measure")
     parser.add_argument("--ranks", "--rank", default="512", help="ranks to measure at, e.g. 256,512,768")
+    parser.add_argument("--kv-cache", default=None, help="with --shape llama: the multi-query export at these shares "
+                        "of the KV cache (e.g. 0.25,0.5) instead of ranks")
     parser.add_argument("--calibration", type=int, default=0, help="calibrate on this many Brown documents")
-    parser.add_argument("--refine-steps", default="200",
-                        help="with --calibration: refinement steps per layer to measure at (200: the collaborative "
-                        "and shared-key forms' default), e.g. 200,20")
+    parser.add_argument("--refine-steps", default=None,
+                        help="with --calibration: refinement steps per layer to measure at, e.g. 200,20 (default: the "
+                        "form's own, 200, or 130 for the multi-query export)")
     parser.add_argument("--refine-together", type=int, default=0,
-                        help="compress --refine-together (0: its default, which fits a group in a share of the checkpoint)")
+                        help="compress --refine-together (0: its default, one layer at a time)")
     parser.add_argument("--shape", default="gpt2", choices=["gpt2", "llama"],
                         help="GPT-2-medium-shaped checkpoints (absolute positions) or Llama-shaped (rotary, "
                         "grouped keys)")
@@ -162,15 +166,17 @@ def main() -> None:
             print(f"calibration: {args.calibration} documents, fidelity measured on 32 held-out ones")
         warmup = Path(scratch) / f"{args.shape}-warmup"
         build(warmup, 1, bool(args.calibration), args.shape)
-        steps = [int(n) for n in args.refine_steps.split(",")] if args.calibration else [0]
+        steps = [int(n) for n in args.refine_steps.split(",")] if args.calibration and args.refine_steps else [None]
         depths = [int(n) for n in args.layers.split(",")]
         sources = {layers: Path(scratch) / f"{args.shape}-{layers}" for layers in depths}
         sizes = {layers: build(sources[layers], layers, bool(args.calibration), args.shape) for layers in depths}
-        for rank in [int(n) for n in args.ranks.split(",")]:
+        sizes_asked = ({f"kv{share}": {"kv_cache": float(share)} for share in args.kv_cache.split(",")} if args.kv_cache
+                       else {rank: {"rank": int(rank)} for rank in args.ranks.split(",")})
+        for rank, sizing in sizes_asked.items():
             for refine in steps:
                 for layers in depths:
                     measure(sources[layers], sizes[layers], layers, rank, refine, warmup,
-                            {**settings, **({"refine_steps": refine} if args.calibration else {})})
+                            {**settings, **sizing, **({"refine_steps": refine} if refine is not None else {})})
     print("\ntarget: peak above baseline under half the checkpoint size, and flat as models grow")
 
 
