@@ -160,6 +160,29 @@ def test_each_form_refines_its_own_default_number_of_steps(tiny_bert, tmp_path, 
     assert "200 steps per layer on average" in encoder.calibration["refinement"]
 
 
+def test_layers_refine_one_at_a_time_by_default_however_large_the_checkpoint(tmp_path):
+    """Layers refined in the same steps hold their samples at once: by default one layer refines at a time, so
+    memory does not grow with depth, even where the samples are small beside the checkpoint (a default that
+    grouped layers within a share of the checkpoint grew with depth on a Llama-shaped model: docs/benchmarks.md).
+    --refine-together asks for groups."""
+    from dataclasses import replace
+
+    from collab_convert import CompressOptions, compress
+    from fixtures.models import save_tiny_tokenizer
+
+    llama = next(c for c in ROTARY_CASES if c.name == "llama")
+    decoder = tmp_path / "llama"  # a 50,000-word vocabulary: 26 MB of embeddings beside kilobytes of samples
+    build_rotary(replace(llama, settings={**llama.settings, "vocab_size": 50_000}), decoder)
+    save_tiny_tokenizer(decoder)
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(f"the {w} was on the {v}" for w in "abcdef" for v in "ghij") + "\n")
+    for together, expected in ((None, 1), (2, 2)):
+        result = compress(str(decoder), CompressOptions(key_cache=0.5, output=tmp_path / f"out-{together}",
+                                                        plots=False, calibration=texts, refine_steps=5,
+                                                        refine_together=together))
+        assert {layer.refinement["layers_together"] for layer in result.layers} == {expected}
+
+
 @pytest.mark.parametrize("budget", [{"key_cache": 0.5}, {"kv_cache": 0.5}])
 def test_layers_are_refined_one_at_a_time(budget, tmp_path, monkeypatch):
     """Memory holds one refinement at a time (its layers' stacked sequences and step workspace), whatever the

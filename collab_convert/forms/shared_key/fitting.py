@@ -160,7 +160,7 @@ def refined_together(options: CompressOptions) -> int:
     fit in an eighth of the checkpoint grouped layers at 24 layers, not at 12, so the peak grew with depth (90 ->
     156 MB; 95 MB one at a time) for 8% less refining time. Narrow layers gain the most (four SmolLM2-135M layers
     in 0.62-0.73 of the time), and there each layer added holds 50 MB, past the bound of half the checkpoint.
-    docs/benchmarks.md, "Layers refined together: opt-in"."""
+    docs/benchmarks.md, "A rotary shape under the memory bound"."""
     return options.refine_together or 1
 
 
