@@ -144,8 +144,14 @@ class CurrentBatch:
         """(batch, n, ...) right-padded -> each sequence's real rows."""
         return [hidden[row, :length] for row, length in enumerate(self.lengths)]
 
-    def observed_one(self) -> None:
+    def observed_one(self, stop: bool = True) -> None:
+        """One more observation; the last one stops the pass, unless `stop` is False: then `stop_if_seen` does,
+        where the observer has heard what it waits for (an attention module's output, for the samples it kept)."""
         self.observed += 1
+        if stop:
+            self.stop_if_seen()
+
+    def stop_if_seen(self) -> None:
         if self.observed == self.observations:
             raise SeenEverything
 

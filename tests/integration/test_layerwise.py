@@ -209,15 +209,15 @@ def test_rotary_records_a_block_at_a_time_equal_whole_passes(name, tmp_path, mon
 def test_kept_samples_carry_the_attention_output_the_model_computed(name, tmp_path, monkeypatch):
     """The refinement's target, recorded from the output projection as the calibration pass runs it (its bias
     left out: GPT-2's c_proj has one), is what refinement would compute from the sample's queries, keys and
-    values, so it need not compute it again. Every layer's samples but the last's (its later batches stop
-    before the module runs) have it."""
+    values, so it need not compute it again. Every layer's samples have it, the last's too: its later batches
+    stop after the module's output while they keep samples, not before the module runs."""
     from dataclasses import replace
 
     from collab_convert.decompose.shared_key import KeyRanks, slot_frequencies
     from collab_convert.decompose.shared_key_batches import StackedSequences
 
     (by_block,), layers = _shared_key_records(name, tmp_path, monkeypatch, scratches=("scratch",), keep=8)
-    for prefix in list(layers)[:-1]:
+    for prefix in layers:
         record, geometry = by_block[prefix], layers[prefix][0]
         assert len(record.samples) == 8 and all(s.target_output is not None for s in record.samples), prefix
         slots = slot_frequencies(KeyRanks.full(geometry))
