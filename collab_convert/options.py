@@ -194,9 +194,14 @@ class CompressOptions(_ModelInputs, FidelityGates):
         "held-out slice stops improving; 0: off). Default: 200, 130 for the multi-query form.",
     )
     refine_samples: int = Field(256, ge=1, description="With --calibration: sequences the refinement looks at.")
-    # The shared-key and multi-query forms: layers whose refinements share each step (forms/shared_key/fitting.py)
-    refine_together: int | None = Field(
-        None, ge=1, le=16, description="With --calibration, the shared-key and multi-query forms: layers refined in "
+    # The shared-key and multi-query forms: layers whose refinements share each step (streaming.FoldedFits). Each
+    # layer added holds its calibration samples, stacked, for the group's whole refinement. A default that grouped as
+    # many layers as fit in an eighth of the checkpoint grouped a 24-layer Llama-shaped checkpoint's and not its
+    # 12-layer twin's, so the peak grew with depth (90 -> 156 MB; 95 MB one at a time) for 8% less refining time;
+    # narrow layers gain the most (four SmolLM2-135M layers in 0.62-0.73 of the time), and there each layer added
+    # holds 50 MB, past the bound of half the checkpoint. docs/benchmarks.md, "A rotary shape under the memory bound"
+    refine_together: int = Field(
+        1, ge=1, le=16, description="With --calibration, the shared-key and multi-query forms: layers refined in "
         "the same steps. More is faster on a CPU where layers are narrow (a step is a few hundred small "
         "operations, whatever its layers: four SmolLM2-135M layers refine in 0.62-0.73 of the time), and holds "
         "each layer's calibration samples at once (about 50 MB a layer for SmolLM2-135M at 300 documents). "

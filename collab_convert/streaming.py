@@ -64,15 +64,16 @@ LayerFitter = Callable[[AttentionLayer, Progress], tuple[LayerReport, dict[str, 
 
 class FoldedFits:
     """A LayerFitter whose middle part runs for several layers at once (a refinement whose steps serve a few layers
-    side by side): asked for a layer, it starts it and the next layers in `order` still to fit, up to
-    `size(first state)` of those whose state `joins` (the others are fitted alone), runs `together` on their
-    states, and finishes each; the results of the layers the writer has not asked for yet wait here (a layer's
-    fitted tensors: small beside its calibration).
+    side by side): asked for a layer, it starts it and the next layers in `order` still to fit, up to `size` of
+    those whose state `joins` (the others are fitted alone), runs `together` on their states, and finishes each;
+    the results of the layers the writer has not asked for yet wait here (a layer's fitted tensors: small beside
+    its calibration).
 
     start(layer, announce) -> state; together(states, announce) -> states; finish(layer, state) -> (report,
     tensors); announce(stage) shows the stage and the layers it is at."""
 
-    def __init__(self, order: list[AttentionLayer], start, together, finish, joins, size, labels: dict[str, str]):
+    def __init__(self, order: list[AttentionLayer], start, together, finish, joins, size: int,
+                 labels: dict[str, str]):
         """`labels`: every layer's "layer k/L" by prefix (layer_labels), in the order they are written."""
         self.order, self.start, self.together, self.finish = order, start, together, finish
         self.joins, self.size, self.labels = joins, size, labels
@@ -93,9 +94,8 @@ class FoldedFits:
         state = self.start(layer, lambda stage: announce(stage, [layer]))
         group, states = [layer], [state]
         if self.joins(state):
-            limit = self.size(state)
             for following in self.order[index + 1:]:
-                if len(group) >= limit:
+                if len(group) >= self.size:
                     break
                 if following.prefix in self.waiting:
                     continue

@@ -176,10 +176,9 @@ def test_layers_refine_one_at_a_time_by_default_however_large_the_checkpoint(tmp
     save_tiny_tokenizer(decoder)
     texts = tmp_path / "texts.txt"
     texts.write_text("\n".join(f"the {w} was on the {v}" for w in "abcdef" for v in "ghij") + "\n")
-    for together, expected in ((None, 1), (2, 2)):
-        result = compress(str(decoder), CompressOptions(key_cache=0.5, output=tmp_path / f"out-{together}",
-                                                        plots=False, calibration=texts, refine_steps=5,
-                                                        refine_together=together))
+    for asked, expected in (({}, 1), ({"refine_together": 2}, 2)):
+        result = compress(str(decoder), CompressOptions(key_cache=0.5, output=tmp_path / f"out-{expected}",
+                                                        plots=False, calibration=texts, refine_steps=5, **asked))
         assert {layer.refinement["layers_together"] for layer in result.layers} == {expected}
 
 

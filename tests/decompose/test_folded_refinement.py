@@ -92,7 +92,7 @@ def test_folded_fits_refine_up_to_the_group_size_and_hand_each_layer_its_own_res
         return states
 
     fits = FoldedFits(layers, start, together, lambda member, state: (member.prefix, state["prefix"]),
-                      joins=lambda state: state["refine"], size=lambda state: 3,
+                      joins=lambda state: state["refine"], size=3,
                       labels={m.prefix: f"layer {i + 1}/6" for i, m in enumerate(layers)})
     shown = []
     results = [fits(member, lambda stage, done, total: shown.append(stage)) for member in layers]

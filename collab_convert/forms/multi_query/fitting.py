@@ -25,7 +25,7 @@ from ...options import CompressOptions
 from ...progress import DETAIL, Progress
 from ...results import MultiQueryLayerReport, rounded
 from ...streaming import FoldedFits, fit_workers, layer_labels, stream_weights
-from ..shared_key.fitting import refine_layers, refined_together, score_shares, shape_of
+from ..shared_key.fitting import refine_layers, score_shares, shape_of
 from ..shared_key.statistics import geometry_of
 from .statistics import STEP_SEQUENCES
 
@@ -67,7 +67,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
     # refined layers one at a time, or --refine-together of them in the same steps, as the shared-key form's
     order = [layer for layer in source.layers if not (finished and finished.has(layer))]
     fits = FoldedFits(order, start, lambda group, announce: _refine(group, options, announce), finish,
-                      joins=lambda fitted: fitted.samples is not None, size=lambda _: refined_together(options),
+                      joins=lambda fitted: fitted.samples is not None, size=options.refine_together,
                       labels=labels)
     return stream_weights(source, folder, options, progress, specs, fits, finished, workers=0,
                           passing=source.layout.passing)

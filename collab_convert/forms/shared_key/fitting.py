@@ -148,20 +148,9 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
     # both working sets at once
     order = [layer for layer in source.layers if not (finished and finished.has(layer))]
     fits = FoldedFits(order, start, lambda group, announce: _refine(group, options, announce), finish,
-                      joins=lambda fitted: fitted.samples is not None, size=lambda _: refined_together(options),
+                      joins=lambda fitted: fitted.samples is not None, size=options.refine_together,
                       labels=labels)
     return stream_weights(source, folder, options, progress, specs, fits, finished, workers=0, guarded=True)
-
-
-def refined_together(options: CompressOptions) -> int:
-    """How many layers refine in the same steps (decompose.shared_key_refinement.refine_shared_keys):
-    --refine-together, else one. Each layer added holds its calibration samples, stacked, for the whole group's
-    refinement: on Llama-shaped checkpoints (benchmarks/memory.py --shape llama) a default that grouped as many as
-    fit in an eighth of the checkpoint grouped layers at 24 layers, not at 12, so the peak grew with depth (90 ->
-    156 MB; 95 MB one at a time) for 8% less refining time. Narrow layers gain the most (four SmolLM2-135M layers
-    in 0.62-0.73 of the time), and there each layer added holds 50 MB, past the bound of half the checkpoint.
-    docs/benchmarks.md, "A rotary shape under the memory bound"."""
-    return options.refine_together or 1
 
 
 @dataclass
