@@ -194,8 +194,9 @@ def anonymous_resident_bytes() -> int | None:
 
 class BoundedHeap:
     """Between the batches of a reused heap (reused_heap): its free pages handed back once the process's anonymous
-    memory has grown by more than `most` bytes since the last hand-back. A reused heap whose requests change size
-    (batches of other lengths) leaves holes a little too small for the next ones, and grows by them.
+    memory has grown by more than `most` bytes since it started, or since the first look after its last hand-back.
+    A reused heap whose requests change size (batches of other lengths) leaves holes a little too small for the
+    next ones, and grows by them.
 
     Growth is read from /proc (microseconds a look). glibc's own count of free bytes (mallinfo2) walks every free
     chunk: 7.5 ms a call after each batch, 5 s of SmolLM2's calibration pass on 300 documents."""
@@ -205,10 +206,17 @@ class BoundedHeap:
 
     def check(self) -> None:
         now = anonymous_resident_bytes()
-        if now is None or self.since is None or now - self.since <= self.most:
+        if now is None:
             return
-        return_freed_heap()
-        self.since = anonymous_resident_bytes()  # what stays is in use (samples kept, records): the next look's start
+        # After a hand-back, growth counts from the next look, when a batch's working set is back in (and what
+        # stays is in use: samples kept, records). Counted from just after the hand-back, the working set faulted
+        # in again by the next batch read as growth: a Qwen2-0.5B-shaped pass, whose batches' working set is over
+        # the bound, handed its heap back after every other batch (13M page faults, 33 s calibrating).
+        if self.since is None:
+            self.since = now
+        elif now - self.since > self.most:
+            return_freed_heap()
+            self.since = None
 
 
 def release_unreachable() -> None:
@@ -221,12 +229,12 @@ def release_unreachable() -> None:
 
 
 _HEAP_USERS = 0  # callers inside reused_heap now: the heap stays until the last one is done
-_TOP_USERS = 0  # those of them that keep the heap's top (keep_top)
+_TOPS: list[int] = []  # the tops they keep (`top`), where they keep one: the largest is kept
 _HEAP_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def reused_heap(keep_top: bool = False):
+def reused_heap(top: int = 0):
     """Within: blocks up to 32 MiB come from glibc's heap and are reused, as glibc does by default.
 
     Refinement allocates the same few-MB tensors at every Adam step; mmapped, each one is mapped, zeroed page
@@ -238,35 +246,48 @@ def reused_heap(keep_top: bool = False):
     or threaded users share it: the threshold returns when the last of them is done. Forward passes use it a
     block at a time, with their growth bounded (BoundedHeap).
 
-    `keep_top`, for loops of steps (refinement, distillation): the heap's top is kept too (trim threshold 16
-    MiB, HEAP_TRIM_THRESHOLD). A threshold set by hand leaves glibc's 128 KiB trim
-    threshold fixed, so every step's freed tensors were handed back at the top and faulted in again at the
-    next, page by page: 4,600 faults and 16-19 ms a MiniLM refinement step, none and 10 ms with the top kept.
-    What stays is at most a step's own working set, which the peak already holds. The calibration pass keeps it
-    too (a block's batches, growth bounded by BoundedHeap): 10M faults and 42 s calibrating SmolLM2 on 300
-    documents, 3M and 34 s kept. The fidelity check does not: a 12-layer GPT-2-medium-shaped checkpoint then
-    peaked 40 MB higher, and SmolLM2's check was no faster."""
-    global _HEAP_USERS, _TOP_USERS
+    `top`: up to this many free bytes at the heap's top stay mapped (glibc's trim threshold), for loops that
+    allocate the same working set again and again. A threshold set by hand leaves glibc's 128 KiB trim threshold
+    fixed, so every step's freed tensors were handed back at the top and faulted in again at the next, page by
+    page: 4,600 faults and 16-19 ms a MiniLM refinement step, none and 10 ms with 16 MiB kept
+    (HEAP_TRIM_THRESHOLD, for loops of steps: refinement, distillation). What stays is at most a step's own
+    working set, which the peak already holds. The calibration pass keeps a batch's working set, up to its bound
+    on growth (model_runs.FREE_HEAP_BOUND, 64 MiB): at 16 MiB the tensors a batch's feed-forward freed went
+    back and were faulted in again by the next batch (300 documents: SmolLM2 5.6M faults and 12.5 s
+    calibrating, 2.0M and 9.3 s at 64 MiB; a Qwen2-0.5B shape 13.5M and 31 s, 3.4M and 24-29 s). The fidelity
+    check keeps none: a 12-layer GPT-2-medium-shaped checkpoint then peaked 40 MB higher, and SmolLM2's check was
+    no faster. Users keeping different tops share the largest."""
+    global _HEAP_USERS
     libc = glibc()
     if libc is None:
         yield
         return
     with _HEAP_LOCK:
         _HEAP_USERS += 1
-        _TOP_USERS += keep_top
         if _HEAP_USERS == 1:
             libc.malloc_trim(0)
             libc.mallopt(M_MMAP_THRESHOLD, HEAP_THRESHOLD)
-        if keep_top and _TOP_USERS == 1:
-            libc.mallopt(M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)
+        if top:
+            _keep_top(libc, _TOPS + [top])
     try:
         yield
     finally:
         with _HEAP_LOCK:
             _HEAP_USERS -= 1
-            _TOP_USERS -= keep_top
-            if keep_top and _TOP_USERS == 0:
-                libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+            if top:
+                rest = list(_TOPS)
+                rest.remove(top)
+                _keep_top(libc, rest)
             if _HEAP_USERS == 0:
                 libc.malloc_trim(0)
                 libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
+def _keep_top(libc, tops: list[int]) -> None:
+    """The tops kept become `tops`: glibc's trim threshold set to their largest where that changes (its default,
+    fixed, where none is left)."""
+    before = max(_TOPS, default=0)
+    _TOPS[:] = tops
+    after = max(tops, default=0)
+    if after != before:
+        libc.mallopt(M_TRIM_THRESHOLD, after or TRIM_THRESHOLD)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .architectures.source import SourceModel
-from .cpu import reused_heap
+from .cpu import HEAP_TRIM_THRESHOLD, reused_heap
 from .devices import unavailable
 from .errors import BadInputError
 from .io.folders import check_output
@@ -187,7 +187,7 @@ def distill_checkpoint(source: SourceModel, folder: Path, texts: list[str], opti
     from .io.writer import overwrite_tensors
 
     progress("distilling", 0, options.distill_steps)
-    with reused_heap(keep_top=True):  # every step allocates the same activations afresh (cpu.reused_heap)
+    with reused_heap(top=HEAP_TRIM_THRESHOLD):  # every step allocates the same activations afresh (cpu.reused_heap)
         tuned, report = distill(source.folder, folder, texts, options.calibration_max_length, options.distill_steps,
                                 options.seed, progress, options.device, names,
                                 objective_for(source.config.get("architectures")))

@@ -55,13 +55,30 @@ def test_loops_of_steps_keep_the_heaps_top_and_forward_passes_do_not(monkeypatch
     monkeypatch.setattr(cpu, "glibc", lambda: libc)
     with cpu.reused_heap():
         assert libc.trim_thresholds == []
-    with cpu.reused_heap(keep_top=True):
+    with cpu.reused_heap(top=cpu.HEAP_TRIM_THRESHOLD):
         assert libc.trim_thresholds == [("mallopt", cpu.HEAP_TRIM_THRESHOLD)]
         with cpu.reused_heap():  # a pass inside a refinement's heap: the top stays
             pass
         assert libc.trim_thresholds == [("mallopt", cpu.HEAP_TRIM_THRESHOLD)]
     assert libc.trim_thresholds == [("mallopt", cpu.HEAP_TRIM_THRESHOLD), ("mallopt", cpu.TRIM_THRESHOLD)]
     assert cpu.HEAP_TRIM_THRESHOLD == 16 << 20 and cpu.TRIM_THRESHOLD == 128 << 10
+
+
+def test_users_keeping_different_tops_share_the_largest_until_it_leaves(monkeypatch):
+    """The calibration pass keeps a batch's working set at the top (64 MiB), a loop of steps 16 MiB: sharing the
+    heap, the larger stands while its user is inside, and the smaller returns when it leaves."""
+    libc = RecordingLibc()
+    monkeypatch.setattr(cpu, "glibc", lambda: libc)
+    steps, batch = cpu.HEAP_TRIM_THRESHOLD, 64 << 20
+    with cpu.reused_heap(top=steps):
+        with cpu.reused_heap(top=batch):
+            assert libc.trim_thresholds[-1] == ("mallopt", batch)
+            with cpu.reused_heap(top=steps):  # a smaller one inside changes nothing
+                pass
+            assert libc.trim_thresholds == [("mallopt", steps), ("mallopt", batch)]
+        assert libc.trim_thresholds[-1] == ("mallopt", steps)
+    assert libc.trim_thresholds == [("mallopt", steps), ("mallopt", batch), ("mallopt", steps),
+                                    ("mallopt", cpu.TRIM_THRESHOLD)]
 
 
 def test_the_heap_is_trimmed_before_a_refinement_takes_it(monkeypatch):
@@ -75,21 +92,31 @@ def test_the_heap_is_trimmed_before_a_refinement_takes_it(monkeypatch):
 
 
 def test_the_heap_is_handed_back_only_past_its_bound_of_growth(monkeypatch):
-    """Between a block's batches: a heap that grew little keeps its free pages for the next batch; one whose holes
-    grew past the bound gives them back, and what stays after that is the start of the next look."""
+    """Between a block's batches: a heap that grew little keeps its free pages for the next batch; one that grew past
+    the bound gives them back, and growth then counts from the next look, when the next batch's working set is back
+    in (counted from just after the hand-back, a working set over the bound was handed back after every batch)."""
     libc = RecordingLibc()
     monkeypatch.setattr(cpu, "glibc", lambda: libc)
     resident = [100 << 20]
     monkeypatch.setattr(cpu, "anonymous_resident_bytes", lambda: resident[0])
+    trim = libc.malloc_trim
+    monkeypatch.setattr(libc, "malloc_trim", lambda pad: resident.__setitem__(0, 120 << 20) or trim(pad))
     heap = cpu.BoundedHeap(64 << 20)
     resident[0] = 150 << 20
     heap.check()
     assert libc.calls == []
-    resident[0] = 170 << 20
+    resident[0] = 200 << 20  # a working set of 100 MB: past the bound from the start
+    heap.check()
+    assert libc.calls == [("trim", 0)] and resident[0] == 120 << 20  # what stays: in use
+    resident[0] = 220 << 20  # the next batch faulted its working set in again: the new start
     heap.check()
     assert libc.calls == [("trim", 0)]
-    heap.check()  # 170 MB stayed after the trim (in use): no growth since
+    resident[0] = 260 << 20
+    heap.check()
     assert libc.calls == [("trim", 0)]
+    resident[0] = 290 << 20  # holes: 70 MB past the new start
+    heap.check()
+    assert libc.calls == [("trim", 0), ("trim", 0)]
 
 
 def test_anonymous_memory_is_read_from_the_process():

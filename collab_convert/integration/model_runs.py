@@ -171,9 +171,10 @@ def whole_model(folder: Path, device):
     return for_measuring(in_pass_dtype(AutoModel.from_pretrained(folder), device)).to(device)
 
 
-# Growth a block's heap may reach between batches before its free pages are handed back (cpu.BoundedHeap). On a
-# 24-layer GPT-2-medium shape with 100 documents (9 batches a block), a block's peak rose to ~500 MB above the
-# baseline unbounded, against ~265 MB mapped and ~240 MB with this bound on glibc's count of free bytes.
+# Growth a block's heap may reach between batches before its free pages are handed back (cpu.BoundedHeap), and the
+# free top it keeps within a batch (cpu.reused_heap's `top`). On a 24-layer GPT-2-medium shape with 100 documents
+# (9 batches a block), a block's peak rose to ~500 MB above the baseline unbounded, against ~265 MB mapped and
+# ~240 MB with this bound on glibc's count of free bytes.
 FREE_HEAP_BOUND = 64 << 20
 
 
@@ -195,10 +196,12 @@ def _by_block(folder: Path, plan, batches: CalibrationBatches, current: CurrentB
         # One heap and one load of the block's weights for all its batches: each batch's activations were
         # mapped and zeroed afresh (the 1 MiB mmap threshold, cpu.py) and its weights read and converted
         # again (SmolLM2's blocks alone, 100 documents: 24.6-26.4 s on a heap, 28.8-31.5 s mapped). The heap's
-        # top is kept too: handed back after every tensor, it was faulted in again page by page (SmolLM2, 300
-        # documents: 42 s calibrating, 34 s kept). Batches of other lengths leave holes in the heap a little
-        # too small for the next, so its free part is bounded, and it is handed back when the block is done.
-        with reused_heap(keep_top=True), runner.weights_held(index):
+        # top is kept too, up to the bound: a batch's freed tensors handed back were faulted in again by the next
+        # batch (SmolLM2, 300 documents, an older CPU: 42 s calibrating handed back at once, 34 s at a 16 MiB top;
+        # docs/benchmarks.md, "Page faults in the calibration pass"). Batches of other lengths leave holes in the
+        # heap a little too small for the next, so its free part is bounded, and it is handed back when the block
+        # is done.
+        with reused_heap(top=FREE_HEAP_BOUND), runner.weights_held(index):
             heap = BoundedHeap(FREE_HEAP_BOUND)
             handles = observer.attach(runner.model, [prefix])
             current.observations = None

@@ -11,7 +11,7 @@ from typing import Any
 
 from ...architectures.layouts import AttentionLayer, Projections
 from ...architectures.source import SourceModel
-from ...cpu import reused_heap
+from ...cpu import HEAP_TRIM_THRESHOLD, reused_heap
 from ...decompose.costs import collaborative_cost, original_cost
 from ...decompose.methods import FitRequest, LayerFit, method_named
 from ...decompose.products import content_bias, relative_error
@@ -63,7 +63,7 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
                                                 key_metrics)
         refinement = None
         if steps.get(layer.prefix) and rank < layer.shape.key_dim:
-            with reused_heap(keep_top=True):
+            with reused_heap(top=HEAP_TRIM_THRESHOLD):
                 refinement = _refine(projections, layer, layer_fit, bias, metric, steps, labels, options,
                                      progress)
             layer_fit.factors, bias = refinement.pop("factors"), refinement.pop("content_bias")

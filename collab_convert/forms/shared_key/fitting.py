@@ -13,7 +13,7 @@ import torch
 
 from ...architectures.layouts import AttentionLayer
 from ...architectures.source import SourceModel
-from ...cpu import reused_heap
+from ...cpu import HEAP_TRIM_THRESHOLD, reused_heap
 from ...decompose.costs import SharedKeyShape, original_grouped_cost, shared_key_cost
 from ...decompose.shared_key import (
     HeadGeometry,
@@ -213,7 +213,7 @@ def refine_layers(layers: list, options: CompressOptions, announce, step_sequenc
 
     announce("refining")
     started = time.perf_counter()
-    with reused_heap(keep_top=True):  # the steps' working set, allocated afresh at every step (cpu.reused_heap)
+    with reused_heap(top=HEAP_TRIM_THRESHOLD):  # the steps allocate their working set afresh (cpu.reused_heap)
         results = refine_shared_keys(layers, steps=options.refine_steps, seed=options.seed, device=options.device,
                                      consume=True, batch_sequences=step_sequences)
     share = (time.perf_counter() - started) / len(results)
