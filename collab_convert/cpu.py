@@ -194,9 +194,8 @@ def anonymous_resident_bytes() -> int | None:
 
 class BoundedHeap:
     """Between the batches of a reused heap (reused_heap): its free pages handed back once the process's anonymous
-    memory has grown by more than `most` bytes since it started, or since the first look after its last hand-back.
-    A reused heap whose requests change size (batches of other lengths) leaves holes a little too small for the
-    next ones, and grows by them.
+    memory has grown by more than `most` bytes since the last hand-back. A reused heap whose requests change size
+    (batches of other lengths) leaves holes a little too small for the next ones, and grows by them.
 
     Growth is read from /proc (microseconds a look). glibc's own count of free bytes (mallinfo2) walks every free
     chunk: 7.5 ms a call after each batch, 5 s of SmolLM2's calibration pass on 300 documents."""
@@ -206,17 +205,10 @@ class BoundedHeap:
 
     def check(self) -> None:
         now = anonymous_resident_bytes()
-        if now is None:
+        if now is None or self.since is None or now - self.since <= self.most:
             return
-        # After a hand-back, growth counts from the next look, when a batch's working set is back in (and what
-        # stays is in use: samples kept, records). Counted from just after the hand-back, the working set faulted
-        # in again by the next batch read as growth: a Qwen2-0.5B-shaped pass, whose batches' working set is over
-        # the bound, handed its heap back after every other batch (13M page faults, 33 s calibrating).
-        if self.since is None:
-            self.since = now
-        elif now - self.since > self.most:
-            return_freed_heap()
-            self.since = None
+        return_freed_heap()
+        self.since = anonymous_resident_bytes()  # what stays is in use (samples kept, records): the next look's start
 
 
 def release_unreachable() -> None:
@@ -251,12 +243,11 @@ def reused_heap(top: int = 0):
     fixed, so every step's freed tensors were handed back at the top and faulted in again at the next, page by
     page: 4,600 faults and 16-19 ms a MiniLM refinement step, none and 10 ms with 16 MiB kept
     (HEAP_TRIM_THRESHOLD, for loops of steps: refinement, distillation). What stays is at most a step's own
-    working set, which the peak already holds. The calibration pass keeps a batch's working set, up to its bound
-    on growth (model_runs.FREE_HEAP_BOUND, 64 MiB): at 16 MiB the tensors a batch's feed-forward freed went
-    back and were faulted in again by the next batch (300 documents: SmolLM2 5.6M faults and 12.5 s
-    calibrating, 2.0M and 9.3 s at 64 MiB; a Qwen2-0.5B shape 13.5M and 31 s, 3.4M and 24-29 s). The fidelity
-    check keeps none: a 12-layer GPT-2-medium-shaped checkpoint then peaked 40 MB higher, and SmolLM2's check was
-    no faster. Users keeping different tops share the largest."""
+    working set, which the peak already holds. The calibration pass keeps a sixteenth of the checkpoint, between
+    16 and 64 MiB (model_runs.kept_top): a Qwen2-0.5B shape's feed-forward frees tensors of 17.7 MB in pairs,
+    handed back at 16 MiB and faulted in again by the next batch. The fidelity check keeps none: a 12-layer
+    GPT-2-medium-shaped checkpoint then peaked 40 MB higher, and SmolLM2's check was no faster. Users keeping
+    different tops share the largest."""
     global _HEAP_USERS
     libc = glibc()
     if libc is None:

@@ -92,31 +92,21 @@ def test_the_heap_is_trimmed_before_a_refinement_takes_it(monkeypatch):
 
 
 def test_the_heap_is_handed_back_only_past_its_bound_of_growth(monkeypatch):
-    """Between a block's batches: a heap that grew little keeps its free pages for the next batch; one that grew past
-    the bound gives them back, and growth then counts from the next look, when the next batch's working set is back
-    in (counted from just after the hand-back, a working set over the bound was handed back after every batch)."""
+    """Between a block's batches: a heap that grew little keeps its free pages for the next batch; one whose holes
+    grew past the bound gives them back, and what stays after that is the start of the next look."""
     libc = RecordingLibc()
     monkeypatch.setattr(cpu, "glibc", lambda: libc)
     resident = [100 << 20]
     monkeypatch.setattr(cpu, "anonymous_resident_bytes", lambda: resident[0])
-    trim = libc.malloc_trim
-    monkeypatch.setattr(libc, "malloc_trim", lambda pad: resident.__setitem__(0, 120 << 20) or trim(pad))
     heap = cpu.BoundedHeap(64 << 20)
     resident[0] = 150 << 20
     heap.check()
     assert libc.calls == []
-    resident[0] = 200 << 20  # a working set of 100 MB: past the bound from the start
-    heap.check()
-    assert libc.calls == [("trim", 0)] and resident[0] == 120 << 20  # what stays: in use
-    resident[0] = 220 << 20  # the next batch faulted its working set in again: the new start
+    resident[0] = 170 << 20
     heap.check()
     assert libc.calls == [("trim", 0)]
-    resident[0] = 260 << 20
-    heap.check()
+    heap.check()  # 170 MB stayed after the trim (in use): no growth since
     assert libc.calls == [("trim", 0)]
-    resident[0] = 290 << 20  # holes: 70 MB past the new start
-    heap.check()
-    assert libc.calls == [("trim", 0), ("trim", 0)]
 
 
 def test_anonymous_memory_is_read_from_the_process():

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from ..cpu import BoundedHeap, release_unreachable, reused_heap
+from ..cpu import HEAP_TRIM_THRESHOLD, BoundedHeap, release_unreachable, reused_heap
 from ..devices import HOST, Device, moved
 from ..errors import BadInputError
 from ..io.spill import SpillFolder
@@ -171,22 +171,35 @@ def whole_model(folder: Path, device):
     return for_measuring(in_pass_dtype(AutoModel.from_pretrained(folder), device)).to(device)
 
 
-# Growth a block's heap may reach between batches before its free pages are handed back (cpu.BoundedHeap), and the
-# free top it keeps within a batch (cpu.reused_heap's `top`). On a 24-layer GPT-2-medium shape with 100 documents
-# (9 batches a block), a block's peak rose to ~500 MB above the baseline unbounded, against ~265 MB mapped and
-# ~240 MB with this bound on glibc's count of free bytes.
+# Growth a block's heap may reach between batches before its free pages are handed back (cpu.BoundedHeap). On a
+# 24-layer GPT-2-medium shape with 100 documents (9 batches a block), a block's peak rose to ~500 MB above the
+# baseline unbounded, against ~265 MB mapped and ~240 MB with this bound on glibc's count of free bytes.
 FREE_HEAP_BOUND = 64 << 20
+# The free top a block's heap keeps between its batches (cpu.reused_heap's `top`), as a share of the checkpoint,
+# between a refinement step's 16 MiB and the bound on growth. At 16 MiB a Qwen2-0.5B shape's feed-forward (tensors
+# of 17.7 MB, freed in pairs) handed its heap's top back in every batch and the next faulted it in again (300
+# documents: 11.6-12.3M page faults, 29.3-30.3 s calibrating; 6.4-10.3M and 25.1-29.0 s at this share, 48 MiB).
+# 64 MiB for every checkpoint raised a 407 MB GPT-2-medium shape's calibrating peak from 41-43% of the checkpoint to
+# 46-54%, past the memory bound; a sixteenth of it (25 MiB) read 40-45%.
+TOP_SHARE = 1 / 16
+
+
+def kept_top(checkpoint_bytes: int) -> int:
+    """The free top a block's heap keeps for a checkpoint of this size (TOP_SHARE)."""
+    return int(min(FREE_HEAP_BOUND, max(HEAP_TRIM_THRESHOLD, TOP_SHARE * checkpoint_bytes)))
 
 
 def _by_block(folder: Path, plan, batches: CalibrationBatches, current: CurrentBatch, observer: Observer, progress,
               run: CalibrationRun) -> SpillFolder:
     """Each layer's record from a block-at-a-time run (layerwise.BlockRunner), kept in the scratch folder; the
     held-out texts of keeping_states, where asked, through the same blocks."""
+    from ..io.folders import weight_bytes
     from .layerwise import BlockRunner
 
     blocks, device_map = plan
     runner = BlockRunner(folder, blocks, device_map, run.scratch / "activations", run.device)
     found = SpillFolder(run.scratch / "statistics")
+    top = kept_top(weight_bytes(folder))
     for input_ids, attention_mask, _ in batches.batches:
         runner.start({"input_ids": input_ids, "attention_mask": attention_mask})
     kept = _KEEPING.get()
@@ -196,12 +209,12 @@ def _by_block(folder: Path, plan, batches: CalibrationBatches, current: CurrentB
         # One heap and one load of the block's weights for all its batches: each batch's activations were
         # mapped and zeroed afresh (the 1 MiB mmap threshold, cpu.py) and its weights read and converted
         # again (SmolLM2's blocks alone, 100 documents: 24.6-26.4 s on a heap, 28.8-31.5 s mapped). The heap's
-        # top is kept too, up to the bound: a batch's freed tensors handed back were faulted in again by the next
-        # batch (SmolLM2, 300 documents, an older CPU: 42 s calibrating handed back at once, 34 s at a 16 MiB top;
+        # top is kept too (kept_top): a batch's freed tensors handed back were faulted in again by the next batch
+        # (SmolLM2, 300 documents, an older CPU: 42 s calibrating handed back at once, 34 s at a 16 MiB top;
         # docs/benchmarks.md, "Page faults in the calibration pass"). Batches of other lengths leave holes in the
         # heap a little too small for the next, so its free part is bounded, and it is handed back when the block
         # is done.
-        with reused_heap(top=FREE_HEAP_BOUND), runner.weights_held(index):
+        with reused_heap(top=top), runner.weights_held(index):
             heap = BoundedHeap(FREE_HEAP_BOUND)
             handles = observer.attach(runner.model, [prefix])
             current.observations = None

@@ -254,8 +254,19 @@ def test_a_block_keeps_one_heap_and_one_load_of_its_weights_for_all_its_batches(
     assert loads.count("GPT2Block") == blocks
     assert libc.calls.count(("mallopt", cpu.HEAP_THRESHOLD)) == blocks
     assert [call for call in libc.calls if call[0] == "mallopt"][-1] == ("mallopt", cpu.MMAP_THRESHOLD)
-    # the top kept is a batch's working set, up to the bound on the heap's growth (not a refinement step's 16 MiB)
-    assert libc.trim_thresholds == [("mallopt", model_runs.FREE_HEAP_BOUND), ("mallopt", cpu.TRIM_THRESHOLD)] * blocks
+    # a tiny checkpoint's blocks keep a refinement step's top (model_runs.kept_top)
+    assert libc.trim_thresholds == [("mallopt", cpu.HEAP_TRIM_THRESHOLD), ("mallopt", cpu.TRIM_THRESHOLD)] * blocks
+
+
+def test_a_block_keeps_a_larger_free_top_only_where_the_checkpoint_affords_it():
+    """The free top kept between a block's batches is a sixteenth of the checkpoint: a refinement step's 16 MiB
+    for a small one (under the memory bound's share), enough for a 0.5B-class checkpoint's feed-forward batches
+    (tensors of 17.7 MB, freed in pairs), and at most the bound on the heap's growth for large ones."""
+    from collab_convert import cpu
+
+    assert model_runs.kept_top(100 << 20) == cpu.HEAP_TRIM_THRESHOLD
+    assert model_runs.kept_top(771 << 20) >= 48 << 20
+    assert model_runs.kept_top(8 << 30) == model_runs.FREE_HEAP_BOUND
 
 
 def test_offloaded_bfloat16_model_keeps_its_head_small_and_its_math_float32(tmp_path, monkeypatch):
