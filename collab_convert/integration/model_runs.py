@@ -175,12 +175,11 @@ def whole_model(folder: Path, device):
 # 24-layer GPT-2-medium shape with 100 documents (9 batches a block), a block's peak rose to ~500 MB above the
 # baseline unbounded, against ~265 MB mapped and ~240 MB with this bound on glibc's count of free bytes.
 FREE_HEAP_BOUND = 64 << 20
-# The free top a block's heap keeps between its batches (cpu.reused_heap's `top`), as a share of the checkpoint,
-# between a refinement step's 16 MiB and the bound on growth. At 16 MiB a Qwen2-0.5B shape's feed-forward (tensors
-# of 17.7 MB, freed in pairs) handed its heap's top back in every batch and the next faulted it in again (300
-# documents: 11.6-12.3M page faults, 29.3-30.3 s calibrating; 6.4-10.3M and 25.1-29.0 s at this share, 48 MiB).
-# 64 MiB for every checkpoint raised a 407 MB GPT-2-medium shape's calibrating peak from 41-43% of the checkpoint to
-# 46-54%, past the memory bound; a sixteenth of it (25 MiB) read 40-45%.
+# The free top a block's heap keeps between its batches (cpu.reused_heap's `top`): a share of the checkpoint,
+# between a refinement step's 16 MiB and the bound on growth. At 16 MiB a feed-forward's freed tensors (a Qwen2-0.5B
+# shape's: 17.7 MB, in pairs) went back at every batch and were faulted in again (11.6-12.3M page faults calibrating
+# it on 300 documents; 6.4-10.3M at this share). 64 MiB for every checkpoint broke the memory bound on a 407 MB
+# GPT-2-medium shape (46-54% of it against 41-43%); this share read 40-45% there.
 TOP_SHARE = 1 / 16
 
 
