@@ -38,10 +38,10 @@ import collab_convert, torch  # imports are the baseline, not the work
 from collab_convert.progress import stage_of
 from pathlib import Path
 
-settings = json.loads(sys.argv[5])
+settings = json.loads(sys.argv[4])
 # Warm-up on a one-layer model of the same shape: lazily loaded library code (LAPACK, the safetensors
 # reader) and allocator arenas are paid once per process, whatever the model size.
-collab_convert.compress(sys.argv[4], collab_convert.CompressOptions(
+collab_convert.compress(sys.argv[3], collab_convert.CompressOptions(
     output=Path(sys.argv[2] + "-warmup"), max_shard_size="100MB", **settings))
 
 def resident():  # (VmRSS, its anonymous part, its file-backed part) in bytes
@@ -115,7 +115,7 @@ def measure(source: Path, size: int, layers: int, rank: str, refine: int, warmup
     shards = len(list(source.glob("*.safetensors")))
     output = source.parent / f"out-{layers}-{rank}-{refine}"
     run = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(source), str(output), "", str(warmup), json.dumps(settings)],
+        [sys.executable, "-c", MEASURE, str(source), str(output), str(warmup), json.dumps(settings)],
         capture_output=True, text=True, check=True,
     )
     measured = json.loads(run.stdout.strip().splitlines()[-1])

@@ -158,7 +158,8 @@ class BlockRunner:
         # every block casts its floating inputs to this dtype as it starts (_cast_at_boundaries): kept so, they
         # take half the bytes of the float32 first-block inputs in a bfloat16 pass, and the blocks see the same
         self.dtype = floating_dtype(self.blocks[0][0])
-        self.activations = HeldOrSpilled(scratch, int(HELD_SHARE * weight_bytes(folder)))
+        self.checkpoint_bytes = weight_bytes(folder)  # what the memory it holds is measured against
+        self.activations = HeldOrSpilled(scratch, int(HELD_SHARE * self.checkpoint_bytes))
         self.batches = 0
         self.returns_tuple = False  # whether the blocks return tuples (their states first), once one has run
 

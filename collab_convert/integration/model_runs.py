@@ -192,13 +192,12 @@ def _by_block(folder: Path, plan, batches: CalibrationBatches, current: CurrentB
               run: CalibrationRun) -> SpillFolder:
     """Each layer's record from a block-at-a-time run (layerwise.BlockRunner), kept in the scratch folder; the
     held-out texts of keeping_states, where asked, through the same blocks."""
-    from ..io.folders import weight_bytes
     from .layerwise import BlockRunner
 
     blocks, device_map = plan
     runner = BlockRunner(folder, blocks, device_map, run.scratch / "activations", run.device)
     found = SpillFolder(run.scratch / "statistics")
-    top = kept_top(weight_bytes(folder))
+    top = kept_top(runner.checkpoint_bytes)
     for input_ids, attention_mask, _ in batches.batches:
         runner.start({"input_ids": input_ids, "attention_mask": attention_mask})
     kept = _KEEPING.get()
