@@ -65,8 +65,8 @@ def test_loops_of_steps_keep_the_heaps_top_and_forward_passes_do_not(monkeypatch
 
 
 def test_users_keeping_different_tops_share_the_largest_until_it_leaves(monkeypatch):
-    """The calibration pass keeps a batch's working set at the top (64 MiB), a loop of steps 16 MiB: sharing the
-    heap, the larger stands while its user is inside, and the smaller returns when it leaves."""
+    """A large checkpoint's calibration pass keeps up to 64 MiB at the top (model_runs.kept_top), a loop of steps
+    16 MiB: sharing the heap, the larger stands while its user is inside, and the smaller returns when it leaves."""
     libc = RecordingLibc()
     monkeypatch.setattr(cpu, "glibc", lambda: libc)
     steps, batch = cpu.HEAP_TRIM_THRESHOLD, 64 << 20
