@@ -7,7 +7,9 @@ latent's down- and up-projections, value_latent.py) so that each head's attentio
 projection. Stochastic, as the CP refinement is: each step sees a few sequences and a few sampled query
 positions, so its cost does not grow with the calibration set; a held-out tenth of the sequences decides when to
 stop and which parameters to keep (the start counts, so the result is never worse there than the PCA it started
-from). The batches the steps run on: shared_key_batches.py.
+from). The key mixing and the down-projection read the keys and the values, whose dimensions differ in scale by
+orders of magnitude: Adam moves them in coordinates preconditioned by those inputs' second moment
+(preconditioning.py). The batches the steps run on: shared_key_batches.py.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from ..cpu import return_freed_heap
 from ..devices import HOST, Device, training_products
 from .held_out_adam import adam_with_held_out_groups, held_out_count
+from .preconditioning import InputPreconditioner, second_moment
 from .refinement import drawn_rows
 from .shared_key import HeadGeometry, SharedKeyFactors, slot_frequencies
 from .shared_key_batches import AttentionSetting, SharedKeySample, StackedSequences
@@ -37,6 +40,11 @@ QUERY_ROWS = 32  # query positions a step draws in each of its sequences
 # held-out error from 0.36593 to 0.36482 at half the key cache, 0.03636 to 0.03572 at 75%, and in the multi-query
 # form 0.55190 to 0.53725 (0.54957 at 130 steps instead of 160). docs/benchmarks.md, "A cheaper refinement step".
 WARMUP = 10
+# Adam's step, a share of each tensor's typical entry, in the preconditioned coordinates (preconditioning.py). On
+# SmolLM2's dumped layers the summed held-out error against the unpreconditioned 9e-2: 4.5e-2 -4.9% at half the key
+# cache, -7.2% at 75%, -4.7% in the multi-query form; 9e-2 -5.4%, +1.2% (a layer at 75% never beat its start),
+# -6.3%; 6e-2 -5.6%, -3.2%, -5.7%.
+LEARNING_RATE = 4.5e-2
 
 
 @dataclass
@@ -116,7 +124,7 @@ def foldable(layers: list[LayerToRefine]) -> bool:
 
 
 def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors, geometry: HeadGeometry,
-                      setting: AttentionSetting, steps: int = 200, learning_rate: float = 9e-2,
+                      setting: AttentionSetting, steps: int = 200, learning_rate: float = LEARNING_RATE,
                       batch_sequences: int = 8, query_rows: int = QUERY_ROWS, seed: int = 0,
                       device: Device = HOST, values: ValueLatent | None = None,
                       consume: bool = False) -> SharedKeyRefinement:
@@ -127,7 +135,7 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
     return refined
 
 
-def refine_shared_keys(layers: list[LayerToRefine], steps: int = 200, learning_rate: float = 9e-2,
+def refine_shared_keys(layers: list[LayerToRefine], steps: int = 200, learning_rate: float = LEARNING_RATE,
                        batch_sequences: int = 8, query_rows: int = QUERY_ROWS, seed: int = 0,
                        device: Device = HOST, consume: bool = False) -> list[SharedKeyRefinement]:
     """Adam on the error of the attention output through the output projection where the samples carry values
@@ -148,21 +156,18 @@ def refine_shared_keys(layers: list[LayerToRefine], steps: int = 200, learning_r
     # one's gradient is a product with the other), so the layer's scores are its own
     slots = [padded_slots(layer.factors.ranks, width).to(device) for layer in layers]
     held = held_out_count(len(layers[0].samples))
-    checks, parameters = [], []
-    for layer, layer_slots in zip(layers, slots, strict=True):
-        check = layer.samples[-held:] if held else layer.samples
-        checks.append([problem.let_go_of_original() for problem in StackedSequences(
-            check, layer.geometry, layer.setting.on(device), layer_slots, device,
-            consume=consume and bool(held)).each_problem()])
-        parameters.append(_parameters(layer, width, pass_width, device, consume))
+    checks, parameters, conditioners = _set_up(layers, slots, held, width, pass_width, device, consume)
 
     def held_out(indices: list[int]) -> list[float]:
         with torch.no_grad():
-            losses = [[p.loss(*parameters[index]) for p in checks[index]] for index in indices]
+            losses = [[p.loss(*conditioners[index].readable(parameters[index])) for p in checks[index]]
+                      for index in indices]
             return [float(sum(loss for loss, _ in each)) / max(sum(norm for _, norm in each), 1e-30)
                     for each in losses]
 
-    kl_before = [_held_out_kl(problems, state) for problems, state in zip(checks, parameters, strict=True)]
+    kl_before = [_held_out_kl(problems, conditioner.readable(state))
+                 for problems, state, conditioner in zip(checks, parameters, conditioners, strict=True)]
+    folded_conditioner = _Conditioners.stacked(conditioners)
     products = training_products(device)  # the steps' products; the held-out checks stay in float32
     stacks = [_stacked(layer, layer_slots, held, device, products, consume, len(layers) > 1)
               for layer, layer_slots in zip(layers, slots, strict=True)]
@@ -176,15 +181,79 @@ def refine_shared_keys(layers: list[LayerToRefine], steps: int = 200, learning_r
         picks = drawn_rows(lengths[chosen], query_rows, generator)
         stacked = [torch.stack(kind) for kind in zip(*parameters, strict=True)] if len(parameters) > 1 else [
             t[None] for t in parameters[0]]
-        return sequences.problem(chosen, picks, products).step_loss(*stacked)
+        return sequences.problem(chosen, picks, products).step_loss(*folded_conditioner.readable(stacked))
 
     results = adam_with_held_out_groups(parameters, minibatch_loss, held_out, steps, learning_rate,
                                         check_every=CHECK_EVERY, patience=PATIENCE, warmup=WARMUP,
                                         typical=[_typical(state, layer) for state, layer in zip(parameters, layers,
                                                                                                 strict=True)])
     objective = "attention output" if checks[0][0].values is not None else "attention KL"
-    return [_refined(layer, problems, before, *result, objective)
-            for layer, problems, before, result in zip(layers, checks, kl_before, results, strict=True)]
+    return [_refined(layer, problems, before, conditioner.readable(best), *rest, objective)
+            for layer, problems, before, conditioner, (best, *rest) in zip(layers, checks, kl_before, conditioners,
+                                                                            results, strict=True)]
+
+
+class _Conditioners:
+    """A layer's refinement in preconditioned coordinates (decompose/preconditioning.py): the key mixing reads the
+    keys, and a value latent's down-projection the values, each through its inputs' second moment on the training
+    sequences. `moved` takes the parameters there, `readable` back to what the layer reads."""
+
+    def __init__(self, keys: InputPreconditioner, values: InputPreconditioner | None):
+        self.keys, self.values = keys, values
+
+    @classmethod
+    def of(cls, layer: LayerToRefine, held: int, device: Device) -> _Conditioners:
+        train = layer.samples[:-held] if held else layer.samples
+        keys = InputPreconditioner.of(second_moment([sample.keys for sample in train])).to(device)
+        values = None
+        if layer.values is not None and train[0].values is not None:
+            values = InputPreconditioner.of(second_moment([sample.values for sample in train])).to(device)
+        return cls(keys, values)
+
+    @classmethod
+    def stacked(cls, conditioners: list[_Conditioners]) -> _Conditioners:
+        """For layers refined side by side: their parameters stacked (L, ...)."""
+        if len(conditioners) == 1:
+            return conditioners[0]
+        values = None if conditioners[0].values is None else InputPreconditioner.stacked(
+            [c.values for c in conditioners])
+        return cls(InputPreconditioner.stacked([c.keys for c in conditioners]), values)
+
+    def _mapped(self, state: list[torch.Tensor], keys, values) -> list[torch.Tensor]:
+        out = list(state)
+        out[0] = keys(out[0])
+        if self.values is not None and len(out) > 3:
+            out[3] = values(out[3])
+        return out
+
+    def readable(self, state: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self._mapped(state, self.keys.readable, None if self.values is None else self.values.readable)
+
+    def moved(self, state: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The parameters (Adam's leaves) taken to the preconditioned coordinates in place: where they are the
+        caller's own tensors (consume), no copy sits beside them."""
+        with torch.no_grad():
+            for parameter, moved in zip(state, self._mapped(state, self.keys.moved,
+                                                            None if self.values is None else self.values.moved),
+                                        strict=True):
+                if moved is not parameter:
+                    parameter.copy_(moved)
+        return state
+
+
+def _set_up(layers: list[LayerToRefine], slots: list[torch.Tensor], held: int, width: int, pass_width: int,
+            device: Device, consume: bool) -> tuple[list, list, list]:
+    """Each layer's held-out problems, its parameters (Adam's leaves, in preconditioned coordinates) and the
+    coordinates' conditioners, taken from its samples before they are let go."""
+    checks, parameters, conditioners = [], [], []
+    for layer, layer_slots in zip(layers, slots, strict=True):
+        conditioners.append(_Conditioners.of(layer, held, device))
+        check = layer.samples[-held:] if held else layer.samples
+        checks.append([problem.let_go_of_original() for problem in StackedSequences(
+            check, layer.geometry, layer.setting.on(device), layer_slots, device,
+            consume=consume and bool(held)).each_problem()])
+        parameters.append(conditioners[-1].moved(_parameters(layer, width, pass_width, device, consume)))
+    return checks, parameters, conditioners
 
 
 def _stacked(layer: LayerToRefine, slots: torch.Tensor, held: int, device: Device, products: torch.dtype,

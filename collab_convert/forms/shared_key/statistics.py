@@ -140,7 +140,8 @@ def calibrated_statistics(source: SourceModel, options: CompressOptions, texts: 
         progress, keep_samples=keep, token_budget=options.calibration_tokens, scratch=scratch, width=source.width,
         device=options.device, value_moments=value_moments)
     refinement = (f"up to {options.refine_steps} Adam steps per layer on the error of the attention output (through "
-                  f"the output projection; attention KL reported), each on {step_sequences} of "
+                  f"the output projection; attention KL reported), in coordinates preconditioned by the keys' "
+                  f"(and values') second moment, each on {step_sequences} of "
                   f"{min(keep, len(texts))} sequences and {QUERY_ROWS} query positions in each, stopped and chosen "
                   f"on a held-out tenth of them, checked every {CHECK_EVERY} steps") if keep else "off"
     calibration = {
