@@ -1,12 +1,13 @@
 """Refinement parameters that read the layer's inputs, preconditioned by those inputs' second moment (pure torch).
 
 A tensor W that multiplies inputs x (x W^T) has a loss whose curvature along W's input side is the inputs' second
-moment E[x x^T]. Keys and hidden states are badly conditioned (on SmolLM2's layers the key moment's eigenvalues
-span 5e5), and Adam's per-entry scaling does not see the correlations. So the refinements move W' = W S^(1/4),
+moment E[x x^T]. Keys and hidden states are badly conditioned (on a SmolLM2 layer the key moment's eigenvalues
+span 2e5), and Adam's per-entry scaling does not see the correlations. So the refinements move W' = W S^(1/4),
 and read W = W' S^(-1/4): the same function, other coordinates. The power of a quarter is measured, not derived
-(Shampoo's one-sided exponent): on four of SmolLM2's layers at half the key cache, 200 steps reached a held-out
-output error 5.5% lower than without (full whitening, a half power, 7-10% higher), and 100 steps as low as 200
-without. docs/benchmarks.md, "Refinement in preconditioned coordinates".
+(Shampoo's one-sided exponent): on four of SmolLM2's dumped layers at half the key cache, 200 steps at the same rate
+reached a held-out output error 5.4% lower than without; full whitening (a half power) 11% higher at that rate and
+1% lower at its best (a third of it); a fifth within 0.3% of the quarter. docs/benchmarks.md, "The shared-key
+refinement in preconditioned coordinates".
 """
 
 from __future__ import annotations

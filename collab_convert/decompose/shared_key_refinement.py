@@ -40,11 +40,11 @@ QUERY_ROWS = 32  # query positions a step draws in each of its sequences
 # held-out error from 0.36593 to 0.36482 at half the key cache, 0.03636 to 0.03572 at 75%, and in the multi-query
 # form 0.55190 to 0.53725 (0.54957 at 130 steps instead of 160). docs/benchmarks.md, "A cheaper refinement step".
 WARMUP = 10
-# Adam's step, a share of each tensor's typical entry, in the preconditioned coordinates (preconditioning.py). On
-# SmolLM2's dumped layers the summed held-out error against the unpreconditioned 9e-2: 4.5e-2 -4.9% at half the key
-# cache, -7.2% at 75%, -4.7% in the multi-query form; 9e-2 -5.4%, +1.2% (a layer at 75% never beat its start),
-# -6.3%; 6e-2 -5.6%, -3.2%, -5.7%.
-LEARNING_RATE = 4.5e-2
+# Adam's step, a share of each tensor's typical entry, in the preconditioned coordinates (preconditioning.py), and
+# with a value latent refined too. On SmolLM2's dumped layers the summed held-out error against the unpreconditioned
+# 9e-2: 4.5e-2 -4.9% at half the key cache, -7.2% at 75%, -4.7% in the multi-query form; 9e-2 -5.4%, +1.2% (a layer
+# at 75% never beat its start), -6.3%; 6e-2 -5.6%, -3.2%, -5.7%.
+LEARNING_RATE, LEARNING_RATE_WITH_VALUES = 4.5e-2, 9e-2
 
 
 @dataclass
@@ -124,7 +124,7 @@ def foldable(layers: list[LayerToRefine]) -> bool:
 
 
 def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors, geometry: HeadGeometry,
-                      setting: AttentionSetting, steps: int = 200, learning_rate: float = LEARNING_RATE,
+                      setting: AttentionSetting, steps: int = 200, learning_rate: float | None = None,
                       batch_sequences: int = 8, query_rows: int = QUERY_ROWS, seed: int = 0,
                       device: Device = HOST, values: ValueLatent | None = None,
                       consume: bool = False) -> SharedKeyRefinement:
@@ -135,7 +135,7 @@ def refine_shared_key(samples: list[SharedKeySample], factors: SharedKeyFactors,
     return refined
 
 
-def refine_shared_keys(layers: list[LayerToRefine], steps: int = 200, learning_rate: float = LEARNING_RATE,
+def refine_shared_keys(layers: list[LayerToRefine], steps: int = 200, learning_rate: float | None = None,
                        batch_sequences: int = 8, query_rows: int = QUERY_ROWS, seed: int = 0,
                        device: Device = HOST, consume: bool = False) -> list[SharedKeyRefinement]:
     """Adam on the error of the attention output through the output projection where the samples carry values
@@ -145,7 +145,10 @@ def refine_shared_keys(layers: list[LayerToRefine], steps: int = 200, learning_r
     own held-out sequences, as if refined alone; others are refined one at a time. The steps run on `device`;
     the samples wait in host memory, and the results come back there. `consume`: the samples' tensors are let go
     once stacked (where none are held out, after the checks' copy), and factors already in float32 on `device`
-    become the parameters themselves (changed in place), not copied."""
+    become the parameters themselves (changed in place), not copied. `learning_rate`: None for LEARNING_RATE, or
+    LEARNING_RATE_WITH_VALUES where a value latent is refined."""
+    if learning_rate is None:
+        learning_rate = LEARNING_RATE if layers[0].values is None else LEARNING_RATE_WITH_VALUES
     if len(layers) > 1 and not foldable(layers):
         return [refined for layer in layers for refined in refine_shared_keys(
             [layer], steps=steps, learning_rate=learning_rate, batch_sequences=batch_sequences,
