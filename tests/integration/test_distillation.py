@@ -227,10 +227,11 @@ def test_a_bfloat16_checkpoint_distils_in_mixed_precision_where_the_device_multi
         seen["tuned"] = {p.dtype for p in model.parameters() if p.requires_grad}
 
     monkeypatch.setattr(distillation._Autocast, "__init__", remembered)
+    # the layer fits unrefined, so that 60 steps have something to gain on so tiny a model
     fitted = compress(str(stored), CompressOptions(key_cache=0.5, output=tmp_path / "fitted", calibration=texts,
-                                                   calibration_samples=32, refine_steps=10))
+                                                   calibration_samples=32, refine_steps=0))
     result = compress(str(stored), CompressOptions(key_cache=0.5, output=tmp_path / "distilled", calibration=texts,
-                                                   calibration_samples=32, refine_steps=10, distill_steps=60))
+                                                   calibration_samples=32, refine_steps=0, distill_steps=60))
     assert seen == {"compute": torch.bfloat16, "tuned": {torch.float32}}
     assert result.distillation["kl_after"] < result.distillation["kl_before"]
     before, after = tensors(tmp_path / "fitted"), tensors(tmp_path / "distilled")
