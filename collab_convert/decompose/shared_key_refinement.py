@@ -222,23 +222,23 @@ class _Conditioners:
             [c.values for c in conditioners])
         return cls(InputPreconditioner.stacked([c.keys for c in conditioners]), values)
 
-    def _mapped(self, state: list[torch.Tensor], keys, values) -> list[torch.Tensor]:
+    def _mapped(self, state: list[torch.Tensor], way: str) -> list[torch.Tensor]:
+        """The key mixing (first) and the down-projection (fourth, where values are preconditioned) mapped `way`
+        ("readable" or "moved"); the other parameters as they are."""
         out = list(state)
-        out[0] = keys(out[0])
-        if self.values is not None and len(out) > 3:
-            out[3] = values(out[3])
+        out[0] = getattr(self.keys, way)(out[0])
+        if self.values is not None:
+            out[3] = getattr(self.values, way)(out[3])
         return out
 
     def readable(self, state: list[torch.Tensor]) -> list[torch.Tensor]:
-        return self._mapped(state, self.keys.readable, None if self.values is None else self.values.readable)
+        return self._mapped(state, "readable")
 
     def moved(self, state: list[torch.Tensor]) -> list[torch.Tensor]:
         """The parameters (Adam's leaves) taken to the preconditioned coordinates in place: where they are the
         caller's own tensors (consume), no copy sits beside them."""
         with torch.no_grad():
-            for parameter, moved in zip(state, self._mapped(state, self.keys.moved,
-                                                            None if self.values is None else self.values.moved),
-                                        strict=True):
+            for parameter, moved in zip(state, self._mapped(state, "moved"), strict=True):
                 if moved is not parameter:
                     parameter.copy_(moved)
         return state
