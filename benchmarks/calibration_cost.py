@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -122,7 +123,14 @@ def main() -> None:
                         help="the plain pass's dtype (auto: transformers' default, the checkpoint's own)")
     parser.add_argument("--profile", type=Path, default=None, help="py-spy flame graph of the CLI run "
                         "(FILE.txt: collapsed stacks)")
+    parser.add_argument("--floor-huge-pages", action="store_true", help="the plain pass with torch's huge pages "
+                        "(THP_MEM_ALLOC_ENABLE=1), as the CLI asks for them in the decoder forms; by default it runs "
+                        "as a user's plain loop does, without (THP_MEM_ALLOC_ENABLE=0 in the environment turns them "
+                        "off for both)")
     args = parser.parse_args()
+    if args.floor_huge_pages:  # before torch loads here: it reads the setting at its first allocation
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+    floor_pages = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
 
     from collab_convert.io.folders import DEFAULT_MODEL, resolve_model
 
@@ -161,8 +169,10 @@ def main() -> None:
     floor = (before + after) / 2
     print(f"{name}, {' '.join(budget)} {args.extra}; {len(calibration)} documents, {tokens:,} calibration tokens at "
           f"{args.max_length}; {threads} threads")
+    cli_pages = bool((report.get("threads") or {}).get("huge_pages"))
     print(f"one plain forward pass of the original ({args.floor_dtype} dtype) over them: {floor:.1f} s "
-          f"(the mean of {before:.1f} s before the CLI run and {after:.1f} s after it)")
+          f"(the mean of {before:.1f} s before the CLI run and {after:.1f} s after it); torch's huge pages: "
+          f"{'on' if floor_pages else 'off'} in the plain pass, {'on' if cli_pages else 'off'} in the CLI run")
     print(f"{'stage':<28} {'seconds':>8} {'x forward pass':>15}")
     for stage, seconds in report["stage_seconds"].items():
         print(f"{stage:<28} {seconds:8.1f} {seconds / floor:15.2f}")
@@ -171,7 +181,8 @@ def main() -> None:
     figures = {"model": name, "budget": budget, "extra": args.extra, "tokens": tokens, "floor_seconds": floor,
                "floor_seconds_before": before, "floor_seconds_after": after, "floor_dtype": args.floor_dtype,
                "run_seconds": report["seconds"], "wall_seconds": wall, "ratio": report["seconds"] / floor,
-               "stage_seconds": report["stage_seconds"], "threads": threads}
+               "stage_seconds": report["stage_seconds"], "threads": threads, "floor_huge_pages": floor_pages,
+               "cli_huge_pages": cli_pages}
     fidelity = report.get("fidelity") or {}
     if "kl_mean" in fidelity:
         print(f"fidelity on the held-out lines: top-1 {fidelity.get('top1_agreement'):.5f}, "

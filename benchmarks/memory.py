@@ -34,11 +34,15 @@ from pathlib import Path
 
 MEASURE = r"""
 import json, sys, threading, time
+from pathlib import Path
+from collab_convert.cpu import ask_for_huge_pages
+from collab_convert.options import CompressOptions
+settings = json.loads(sys.argv[4])
+# as the command line does, before torch loads: the decoder forms ask torch for huge pages
+ask_for_huge_pages(CompressOptions(output=Path(sys.argv[2]), **settings).requested_form)
 import collab_convert, torch  # imports are the baseline, not the work
 from collab_convert.progress import stage_of
-from pathlib import Path
 
-settings = json.loads(sys.argv[4])
 # Warm-up on a one-layer model of the same shape: lazily loaded library code (LAPACK, the safetensors
 # reader) and allocator arenas are paid once per process, whatever the model size.
 collab_convert.compress(sys.argv[3], collab_convert.CompressOptions(

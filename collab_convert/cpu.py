@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import threading
 import time
 
@@ -81,6 +82,31 @@ def bound_primitive_cache() -> bool:
         return False
     os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = PRIMITIVE_CACHE
     return True
+
+
+# torch's CPU allocator asks the kernel for transparent huge pages on its buffers of 2 MiB and more where this is
+# "1" (read at its first allocation). A decoder's calibration pass allocates and frees such buffers batch after
+# batch, and each one came back page by page: on a Qwen2-0.5B-shaped checkpoint 8-16M page faults and 23.9-28.8 s
+# of calibrating, 3.0M and 20.8-20.9 s with it, the same figures to every digit and the same peak. The CP form's
+# fits grow glibc's heap with it set (a 407 MB GPT-2-medium shape: 246 MB against 186 MB, past the memory bound),
+# so only the decoder forms ask. docs/benchmarks.md, "Huge pages for the decoder forms".
+HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
+HUGE_PAGE_FORMS = ("shared-key", "multi-query")
+
+
+def ask_for_huge_pages(form: str) -> bool:
+    """For a run in `form`, set torch's HUGE_PAGES where the form is one of HUGE_PAGE_FORMS, torch is not loaded yet
+    (the command line, before its job imports it) and the environment does not say otherwise. Returns whether
+    this call set it."""
+    if form not in HUGE_PAGE_FORMS or "torch" in sys.modules or HUGE_PAGES in os.environ:
+        return False
+    os.environ[HUGE_PAGES] = "1"
+    return True
+
+
+def huge_pages_on() -> bool:
+    """Whether torch's huge-page setting is on in this process (as the report says)."""
+    return os.environ.get(HUGE_PAGES) == "1"
 
 
 @contextlib.contextmanager

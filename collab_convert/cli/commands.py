@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from ..cpu import ask_for_huge_pages
 from ..errors import BadInputError
 from ..options import AnalyzeOptions, CompressOptions, ExportOptions, VerifyOptions
 from .app import app
@@ -69,6 +70,7 @@ def analyze(
     """
     Quiet.quiet = quiet
     chosen = build_options(AnalyzeOptions, options)
+    ask_for_huge_pages(chosen.form)  # before torch loads (cpu.py)
     from ..analysis import analyze as run_analyze
     from ..io.folders import DEFAULT_MODEL
 
@@ -119,6 +121,7 @@ def compress(
     """
     Quiet.quiet = quiet
     chosen = build_options(CompressOptions, options)  # usage errors answer before anything heavy loads
+    ask_for_huge_pages(chosen.requested_form)  # before torch loads (cpu.py)
     from ..compression import compress as run_compress
     from ..compression import plan
     from ..io.folders import DEFAULT_MODEL

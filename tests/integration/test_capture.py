@@ -74,13 +74,14 @@ def test_threads_follow_the_idle_cores_unless_asked(monkeypatch):
     assert cpu.choose_threads(3, default=2) == (3, "asked for")
 
 
-def test_a_run_restores_torchs_threads_and_reports_its_own(tiny_bert, tmp_path):
+def test_a_run_restores_torchs_threads_and_reports_its_own(tiny_bert, tmp_path, monkeypatch):
     from collab_convert import CompressOptions, compress
 
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     before = torch.get_num_threads()
     result = compress(str(tiny_bert), CompressOptions(rank=16, output=tmp_path / "out", threads=1, plots=False))
     assert torch.get_num_threads() == before
-    assert result.threads == {"threads": 1, "why": "asked for"}
+    assert result.threads == {"threads": 1, "why": "asked for", "huge_pages": False}
     assert "CPU threads: 1 (asked for)" in (tmp_path / "out" / "report.md").read_text()
 
 
