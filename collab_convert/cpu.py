@@ -94,19 +94,36 @@ HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
 HUGE_PAGE_FORMS = ("shared-key", "multi-query")
 
 
-def ask_for_huge_pages(form: str) -> bool:
-    """For a run in `form`, set torch's HUGE_PAGES where the form is one of HUGE_PAGE_FORMS, torch is not loaded yet
-    (the command line, before its job imports it) and the environment does not say otherwise. Returns whether
-    this call set it."""
-    if form not in HUGE_PAGE_FORMS or "torch" in sys.modules or HUGE_PAGES in os.environ:
+# torch's allocator asks for huge pages on buffers of at least this many bytes, and aligns them to the page
+HUGE_PAGE_BUFFER = 2 << 20
+
+
+def ask_for_huge_pages(form: str | None) -> bool:
+    """For a run in `form`, set torch's HUGE_PAGES where the form is one of HUGE_PAGE_FORMS and the environment does
+    not say otherwise. torch reads it at its first allocation: the command line asks before torch loads, or, for a
+    form left to the model's family (known once the lookup has loaded torch), before anything is allocated. Where
+    torch is loaded, the allocator is checked (huge_pages_on) and a setting it did not take is taken back, so that
+    it misleads neither the report nor child processes. Returns whether torch takes it."""
+    if form not in HUGE_PAGE_FORMS or HUGE_PAGES in os.environ:
         return False
     os.environ[HUGE_PAGES] = "1"
+    if "torch" in sys.modules and not huge_pages_on():  # torch had allocated, and read its setting then
+        del os.environ[HUGE_PAGES]
+        return False
     return True
 
 
 def huge_pages_on() -> bool:
-    """Whether torch's huge-page setting is on in this process (as the report says)."""
-    return os.environ.get(HUGE_PAGES) == "1"
+    """Whether torch's allocator asks for huge pages in this process (as the report says), read off the allocator:
+    with the setting, its buffers of HUGE_PAGE_BUFFER bytes and more start on a page; without, on 64 bytes (three
+    on a page by chance: one time in 64^3). Where torch has not allocated yet, this is its first allocation."""
+    import torch
+
+    if not sys.platform.startswith("linux"):  # the setting is Linux's transparent huge pages
+        return False
+    page = os.sysconf("SC_PAGE_SIZE")
+    held = [torch.empty(HUGE_PAGE_BUFFER + page * i + 64, dtype=torch.uint8) for i in range(3)]
+    return all(buffer.data_ptr() % page == 0 for buffer in held)
 
 
 @contextlib.contextmanager

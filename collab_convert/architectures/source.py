@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInputError
+from ..errors import BadInputError, CollabError
 from ..format import is_collaborative
 from ..io.folders import read_config, resolve_model
 from ..io.reader import TensorReader
@@ -79,6 +79,18 @@ def open_model(model: str, form: str = "auto") -> SourceModel:
     check_readable(config, reader, [layer.prefix for layer in layers])
     check_agreement(folder, config, reader, family, f".{offer.layout.marker}.weight")
     return SourceModel(model, folder, config, family, offer, reader, layers)
+
+
+def form_taken(model: str, form: str = "auto") -> str | None:
+    """The form open_model takes for `form`, from config.json alone, before anything loads: None where it is not
+    known yet (a GGUF file not converted, or a model that open_model will refuse in its own words)."""
+    try:
+        folder = resolve_model(model, convert=False)
+        if not (folder / "config.json").is_file():
+            return None
+        return family_for(read_config(folder), form)[1].form
+    except CollabError:
+        return None
 
 
 def find_attention_layers(reader: TensorReader, family: Family, layout, config: dict[str, Any]) -> list[AttentionLayer]:

@@ -36,8 +36,9 @@ WEIGHT_FILE_PATTERNS = (
 REGENERATED_FILES = {"config.json", "README.md", "report.json", "report.md"}
 
 
-def resolve_model(model: str) -> Path:
-    """A local folder, a hub id found in the local Hugging Face cache, or an embedded default."""
+def resolve_model(model: str, convert: bool = True) -> Path:
+    """A local folder, a hub id found in the local Hugging Face cache, or an embedded default. `convert`: False
+    where a GGUF file's folder is only looked at, not made (gguf.gguf_folder): it may not be there yet."""
     if not str(model).strip():  # Path("") is the working directory: an unset variable in a script is not a choice
         raise BadInputError("the model is empty; give a folder, a .gguf file or a hub id")
     path = Path(model).expanduser()
@@ -45,7 +46,7 @@ def resolve_model(model: str) -> Path:
         from .gguf import gguf_folder, is_gguf
 
         if is_gguf(path):
-            return gguf_folder(path)
+            return gguf_folder(path, convert)
         if not path.is_dir():
             raise BadInputError(f"{model} is a file; give the folder that holds config.json and the weights, or a .gguf file")
         return path.resolve()
@@ -57,7 +58,7 @@ def resolve_model(model: str) -> Path:
         except Exception:  # noqa: BLE001 - any failure means "not in the local cache"
             pass
         if model in EMBEDDED_MODELS:
-            return _embedded(model)
+            return _embedded(model, convert)
         raise BadInputError(
             f"{model} is neither a folder nor in the local Hugging Face cache; download it first "
             f"(`hf download {model}`) or give a local folder"
@@ -65,7 +66,7 @@ def resolve_model(model: str) -> Path:
     raise BadInputError(f"{model}: no such folder")
 
 
-def _embedded(model: str) -> Path:
+def _embedded(model: str, convert: bool = True) -> Path:
     """An embedded model's folder (or GGUF file, converted), found without importing its package."""
     import importlib.util
 
@@ -79,7 +80,7 @@ def _embedded(model: str) -> Path:
     if path.suffix == ".gguf":
         from .gguf import gguf_folder
 
-        return gguf_folder(path)
+        return gguf_folder(path, convert)
     return path
 
 

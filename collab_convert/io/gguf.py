@@ -38,19 +38,25 @@ def _check_magic(path: Path) -> None:
             raise BadInputError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
 
 
-def gguf_folder(path: Path) -> Path:
-    """The dequantised Hugging Face folder of a GGUF file, converted once and then reused."""
+def cached_folder(path: Path) -> Path:
+    """Where gguf_folder keeps a GGUF file's dequantised folder (not there until the file is first converted)."""
     path = path.resolve()
-    _check_magic(path)
     stat = path.stat()
     key = hashlib.sha256(f"{CACHE_VERSION}|{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = cache_root() / f"{path.stem}-{key}"
-    if (folder / "config.json").is_file():
+    return cache_root() / f"{path.stem}-{key}"
+
+
+def gguf_folder(path: Path, convert: bool = True) -> Path:
+    """The dequantised Hugging Face folder of a GGUF file, converted once and then reused. `convert`: False to
+    only say where it is, or will be (cached_folder)."""
+    _check_magic(path)
+    folder = cached_folder(path)
+    if (folder / "config.json").is_file() or not convert:
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = folder.parent / f".{folder.name}.collab-tmp-{os.getpid()}"
     try:
-        _convert(path, staging)
+        _convert(path.resolve(), staging)
         try:
             staging.rename(folder)
         except OSError:  # another run converted the same file meanwhile: keep theirs

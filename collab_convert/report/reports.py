@@ -43,7 +43,7 @@ def markdown_report(result: "CompressResult", form) -> str:
         f"- {_how(result)} (collab-convert {result.tool_version}); family: {result.family}",
         f"- time: {result.seconds:.1f} s" + _stages(result.stage_seconds)
         + (f"; CPU threads: {result.threads['threads']} ({result.threads['why']})" if result.threads else "")
-        + ("; huge pages asked for (torch's THP_MEM_ALLOC_ENABLE)" if (result.threads or {}).get("huge_pages") else ""),
+        + ("; huge pages asked for (torch's THP_MEM_ALLOC_ENABLE, taken by its allocator)" if (result.threads or {}).get("huge_pages") else ""),
     ]
     if result.calibration:
         lines += _calibration_lines(result)
