@@ -49,14 +49,15 @@ def _check(source: SourceModel, options: CompressOptions) -> tuple[CompressPlan,
 
 def compress(model: str, options: CompressOptions, progress: Progress = no_progress) -> CompressResult:
     """Re-parametrize every attention layer into the form asked for and write a complete checkpoint."""
-    from .cpu import huge_pages_on, math_threads, return_freed_memory
+    from .cpu import huge_pages_on, kernel_huge_pages, math_threads, return_freed_memory
 
     _refuse_early(model, options)
     from .integration import loading  # noqa: F401 - transformers' lazy imports land here, before the clock starts
 
     return_freed_memory()
     with math_threads(options.threads) as (threads, why):
-        return _compress(model, options, progress, {"threads": threads, "why": why, "huge_pages": huge_pages_on()})
+        return _compress(model, options, progress, {"threads": threads, "why": why, "huge_pages": huge_pages_on(),
+                                                    "huge_pages_kernel": kernel_huge_pages()})
 
 
 def _refuse_early(model: str, options: CompressOptions) -> None:

@@ -126,6 +126,20 @@ def huge_pages_on() -> bool:
     return all(buffer.data_ptr() % page == 0 for buffer in held)
 
 
+KERNEL_HUGE_PAGES = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def kernel_huge_pages(path: str = KERNEL_HUGE_PAGES) -> str | None:
+    """The kernel's transparent huge page mode (always, madvise or never; torch's setting asks by madvise, so it
+    gets none under never), or None where the kernel does not say."""
+    try:
+        with open(path, encoding="ascii") as setting:
+            chosen = [word for word in setting.read().split() if word.startswith("[")]
+    except (OSError, ValueError):
+        return None
+    return chosen[0].strip("[]") if chosen else None
+
+
 @contextlib.contextmanager
 def math_threads(requested: int | None):
     """Run the block with the chosen number of torch threads; torch's setting is restored afterwards. Yields

@@ -98,3 +98,15 @@ def test_the_familys_form_is_read_without_converting_a_gguf_file(tmp_path, monke
 
     assert form_taken(str(gguf)) is None and not (tmp_path / "cache").exists()
     assert form_taken(str(llama)) == "shared-key" and form_taken(str(tmp_path / "missing")) is None
+
+
+def test_the_kernels_mode_is_read_and_the_report_says_when_it_gives_none(tmp_path):
+    from collab_convert.report.reports import _huge_pages
+
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    assert cpu.kernel_huge_pages(str(setting)) == "never"
+    assert cpu.kernel_huge_pages(str(tmp_path / "missing")) is None
+    assert "the kernel's setting: never, so none are given" in _huge_pages({"huge_pages": True,
+                                                                            "huge_pages_kernel": "never"})
+    assert _huge_pages({"huge_pages": False, "huge_pages_kernel": "madvise"}) == ""

@@ -34,6 +34,17 @@ def write_reports(result: "CompressResult", form, folder: Path) -> list[str]:
     return ["report.json", "report.md"]
 
 
+def _huge_pages(threads: dict) -> str:
+    """The time line's note on torch's huge pages, where its allocator took the setting (cpu.huge_pages_on)."""
+    if not threads.get("huge_pages"):
+        return ""
+    kernel = threads.get("huge_pages_kernel")
+    given = f"; the kernel's setting: {kernel}" if kernel else ""
+    if kernel == "never":
+        given += ", so none are given"
+    return f"; huge pages asked for (torch's THP_MEM_ALLOC_ENABLE, taken by its allocator{given})"
+
+
 def markdown_report(result: "CompressResult", form) -> str:
     """report.md; `form` (forms/, the result's form) gives its own per-layer columns and notes."""
     lines = [
@@ -43,7 +54,7 @@ def markdown_report(result: "CompressResult", form) -> str:
         f"- {_how(result)} (collab-convert {result.tool_version}); family: {result.family}",
         f"- time: {result.seconds:.1f} s" + _stages(result.stage_seconds)
         + (f"; CPU threads: {result.threads['threads']} ({result.threads['why']})" if result.threads else "")
-        + ("; huge pages asked for (torch's THP_MEM_ALLOC_ENABLE, taken by its allocator)" if (result.threads or {}).get("huge_pages") else ""),
+        + _huge_pages(result.threads or {}),
     ]
     if result.calibration:
         lines += _calibration_lines(result)

@@ -3,6 +3,7 @@
 import torch
 
 from collab_convert.architectures.source import open_model
+from collab_convert.cpu import kernel_huge_pages
 from collab_convert.integration import batches as batching
 from collab_convert.integration.batches import token_batches
 from collab_convert.integration.capture import collect_statistics
@@ -81,7 +82,8 @@ def test_a_run_restores_torchs_threads_and_reports_its_own(tiny_bert, tmp_path, 
     before = torch.get_num_threads()
     result = compress(str(tiny_bert), CompressOptions(rank=16, output=tmp_path / "out", threads=1, plots=False))
     assert torch.get_num_threads() == before
-    assert result.threads == {"threads": 1, "why": "asked for", "huge_pages": False}
+    assert result.threads == {"threads": 1, "why": "asked for", "huge_pages": False,
+                              "huge_pages_kernel": kernel_huge_pages()}
     assert "CPU threads: 1 (asked for)" in (tmp_path / "out" / "report.md").read_text()
 
 

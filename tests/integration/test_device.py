@@ -61,14 +61,15 @@ def on_host_and_device(folder, tmp_path, **settings):
     return host, device, ran
 
 
-def assert_same_checkpoints(first, second):
+def assert_same_checkpoints(first, second, tolerance: float = 1e-5):
     """The same tensors, up to rounding: the host's score blocks run on the worker threads (busy_machine), the
     device's batched, and refinement's steps carry the rounding on (a tensor left behind fails outright)."""
     mine, theirs = tensors(first), tensors(second)
     assert mine.keys() == theirs.keys()
     for name in mine:
         difference = (mine[name].double() - theirs[name].double()).abs().max().item() if mine[name].numel() else 0
-        assert torch.allclose(mine[name].double(), theirs[name].double(), rtol=1e-5, atol=1e-5), (name, difference)
+        assert torch.allclose(mine[name].double(), theirs[name].double(), rtol=tolerance, atol=tolerance), (
+            name, difference)
 
 
 def refined_kls(result) -> list[float]:
@@ -152,7 +153,9 @@ def test_a_rotary_model_refines_and_distils_on_the_device(tmp_path):
     assert ran["embedding"] > 0 and ran["_log_softmax_backward_data"] > 0
     assert device.distillation["kl_after"] == pytest.approx(host.distillation["kl_after"], rel=1e-5)
     assert device.fidelity["top1_agreement"] == host.fidelity["top1_agreement"]
-    assert_same_checkpoints(tmp_path / "host", tmp_path / "device")
+    # 40 steps (refining, then distilling) carry the rounding further: on an AVX2-only CPU a query core differed by
+    # 1.6e-5 in 2 of 13 runs of this test here, 2 of the 4 after others in one process (its rounding varies by run)
+    assert_same_checkpoints(tmp_path / "host", tmp_path / "device", tolerance=1e-4)
 
 
 def test_a_calibrated_analysis_runs_on_the_device_it_is_given(tmp_path, monkeypatch):
