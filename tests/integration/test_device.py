@@ -154,7 +154,7 @@ def test_a_rotary_model_refines_and_distils_on_the_device(tmp_path):
     assert device.distillation["kl_after"] == pytest.approx(host.distillation["kl_after"], rel=1e-5)
     assert device.fidelity["top1_agreement"] == host.fidelity["top1_agreement"]
     # 40 steps (refining, then distilling) carry the rounding further: on an AVX2-only CPU a query core differed by
-    # 1.6e-5 in 2 of 13 runs of this test here, 2 of the 4 after others in one process (its rounding varies by run)
+    # 1.6e-5 in 2 of 13 runs of this test here, 2 of the 6 after other tests in one process (its rounding varies by run)
     assert_same_checkpoints(tmp_path / "host", tmp_path / "device", tolerance=1e-4)
 
 
