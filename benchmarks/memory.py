@@ -38,9 +38,13 @@ from pathlib import Path
 from collab_convert.cpu import ask_for_huge_pages
 from collab_convert.options import CompressOptions
 settings = json.loads(sys.argv[4])
-# as the command line does, before torch loads: the decoder forms ask torch for huge pages
-ask_for_huge_pages(CompressOptions(output=Path(sys.argv[2]), **settings).requested_form)
+# as the command line does: a decoder form asked for by name asks torch for huge pages before torch loads,
+# one left to the family once the lookup has loaded it, before anything is allocated
+requested = CompressOptions(output=Path(sys.argv[2]), **settings).requested_form
+ask_for_huge_pages(requested)
 import collab_convert, torch  # imports are the baseline, not the work
+from collab_convert.architectures.source import ask_for_huge_pages_for
+ask_for_huge_pages_for(sys.argv[1], requested)
 from collab_convert.progress import stage_of
 
 # Warm-up on a one-layer model of the same shape: lazily loaded library code (LAPACK, the safetensors

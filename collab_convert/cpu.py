@@ -117,10 +117,10 @@ def huge_pages_on() -> bool:
     """Whether torch's allocator asks for huge pages in this process (as the report says), read off the allocator:
     with the setting, its buffers of HUGE_PAGE_BUFFER bytes and more start on a page; without, on 64 bytes (three
     on a page by chance: one time in 64^3). Where torch has not allocated yet, this is its first allocation."""
-    import torch
-
     if not sys.platform.startswith("linux"):  # the setting is Linux's transparent huge pages
         return False
+    import torch
+
     page = os.sysconf("SC_PAGE_SIZE")
     held = [torch.empty(HUGE_PAGE_BUFFER + page * i + 64, dtype=torch.uint8) for i in range(3)]
     return all(buffer.data_ptr() % page == 0 for buffer in held)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..cpu import ask_for_huge_pages
 from ..errors import BadInputError, CollabError
 from ..format import is_collaborative
 from ..io.folders import read_config, resolve_model
@@ -91,6 +92,13 @@ def form_taken(model: str, form: str = "auto") -> str | None:
         return family_for(read_config(folder), form)[1].form
     except CollabError:
         return None
+
+
+def ask_for_huge_pages_for(model: str, form: str) -> bool:
+    """cpu.ask_for_huge_pages for the form a run on `model` takes: `form` as asked, or the family's where it is left
+    to the family ("auto": a rotary decoder's is the shared key), which is known once the lookup has loaded torch.
+    Called before torch allocates anything (the command line, before its job; benchmarks/memory.py, as it)."""
+    return ask_for_huge_pages(form_taken(model) if form == "auto" else form)
 
 
 def find_attention_layers(reader: TensorReader, family: Family, layout, config: dict[str, Any]) -> list[AttentionLayer]:

@@ -72,12 +72,13 @@ def analyze(
     chosen = build_options(AnalyzeOptions, options)
     ask_for_huge_pages(chosen.form)  # before torch loads (cpu.py)
     from ..analysis import analyze as run_analyze
+    from ..architectures.source import ask_for_huge_pages_for
     from ..io.folders import DEFAULT_MODEL
 
     if chosen.plot is not None:  # before the work: a plot that cannot be written must not cost the analysis
         _check_plot_path(chosen.plot)
     model = DEFAULT_MODEL if model is None else model  # "" is refused as empty, not taken for the default
-    _ask_for_the_familys_form(model, chosen.form)
+    ask_for_huge_pages_for(model, chosen.form)  # a form left to the family: known now, before torch allocates
     result = run_with_progress(run_analyze, model, chosen, show=not as_json, stage_lines=True)
     if chosen.plot is not None:
         from ..forms import form_named
@@ -91,15 +92,6 @@ def analyze(
         typer.echo(json.dumps(result.to_dict()))
         return
     print_analysis(result)
-
-
-def _ask_for_the_familys_form(model: str, form: str) -> None:
-    """A form left to the model's family ("auto": a rotary decoder's is the shared key) is known once the lookup has
-    loaded torch, which has allocated nothing yet: huge pages are asked for then (cpu.py)."""
-    if form == "auto":
-        from ..architectures.source import form_taken
-
-        ask_for_huge_pages(form_taken(model))
 
 
 @app.command()
@@ -132,6 +124,7 @@ def compress(
     Quiet.quiet = quiet
     chosen = build_options(CompressOptions, options)  # usage errors answer before anything heavy loads
     ask_for_huge_pages(chosen.requested_form)  # before torch loads (cpu.py)
+    from ..architectures.source import ask_for_huge_pages_for
     from ..compression import compress as run_compress
     from ..compression import plan
     from ..io.folders import DEFAULT_MODEL
@@ -145,7 +138,7 @@ def compress(
         else:
             print_plan(checked)
         return
-    _ask_for_the_familys_form(model, chosen.requested_form)
+    ask_for_huge_pages_for(model, chosen.requested_form)  # a form left to the family: known now
     result = run_with_progress(run_compress, model, chosen, show=not as_json, stage_lines=True)
     for warning in result.warnings or []:
         print_warning(warning)
