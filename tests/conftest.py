@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# pytest-xdist's workers (pyproject's addopts: -n 2) are started with COLUMNS=80: piped output gets its wide
+# default in them as in a plain run; tests of a terminal's width set COLUMNS themselves.
+os.environ.pop("COLUMNS", None)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # The workers share the cores: one thread each, so that neither waits on a thread the other has preempted.
+    torch.set_num_threads(1)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for fixtures/
 
