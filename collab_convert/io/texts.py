@@ -32,9 +32,9 @@ def read_texts(path: Path, limit: int | None = None, distinct: bool = False) -> 
     elif path.is_file():
         files = [path]
     elif path.exists():  # a device, a pipe: nothing to read line by line to an end
-        raise BadInputError(f"calibration text {path} is not a file or a folder of .txt files")
+        raise BadInputError(f"text {path} is not a file or a folder of .txt files")
     else:
-        raise BadInputError(f"calibration text {path} does not exist")
+        raise BadInputError(f"text file {path} does not exist")  # read for --calibration and --texts alike
     texts, seen = Lines(), set()
     for file in files:
         for text in _lines(file):
