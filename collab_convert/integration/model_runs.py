@@ -123,7 +123,23 @@ def calibration_batches(folder: Path, texts: list[str], run: CalibrationRun) -> 
 
     # a compressed folder (the fidelity check's) positions its tokens as the original model does
     length = within_positions(original_config(read_config(folder)), run.max_length)
-    return token_batches(calibration_tokenizer(folder), texts, length, run.token_budget, batch_tokens(run.width))
+    return token_batches(calibration_tokenizer(folder), texts, length, run.token_budget, pass_batch_tokens(folder, run))
+
+
+def pass_batch_tokens(folder: Path, run: CalibrationRun) -> int:
+    """Padded tokens per calibration batch: batches.batch_tokens, scaled by the bytes of a stored number over those
+    of a number in the pass (devices.pass_dtype), so that a batch's activations keep the same share of the
+    checkpoint whatever precision the pass runs in. A bfloat16 checkpoint run in float32 (a CPU without bfloat16
+    products) holds its block's weights and every activation at twice the bytes: with the tokens of a bfloat16
+    pass, a 12-layer GPT-2-medium-shaped checkpoint's calibration peaked at 263 MB above the imports, 64.5% of it;
+    with half of them at 186 MB, 45.7%, and the stage took 42.0 s instead of 50.2 (2 cores with AVX2 only)."""
+    from ..devices import pass_dtype
+    from ..io.folders import stored_float_type
+    from ..io.headers import SAFETENSORS_DTYPES
+
+    stored = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}[stored_float_type(folder)]
+    in_pass = pass_dtype(run.device, stored).itemsize
+    return max(1, batch_tokens(run.width) * min(stored.itemsize, in_pass) // in_pass)
 
 
 def observe_calibration(folder: Path, prefixes: list[str], texts: list[str], observer: Observer,
@@ -176,16 +192,19 @@ def whole_model(folder: Path, device):
 # baseline unbounded, against ~265 MB mapped and ~240 MB with this bound on glibc's count of free bytes.
 FREE_HEAP_BOUND = 64 << 20
 # The free top a block's heap keeps between its batches (cpu.reused_heap's `top`): a share of the checkpoint,
-# between a refinement step's 16 MiB and the bound on growth. At 16 MiB a feed-forward's freed tensors (a Qwen2-0.5B
+# between KEPT_TOP_FLOOR and the bound on growth. At 16 MiB a feed-forward's freed tensors (a Qwen2-0.5B
 # shape's: 17.7 MB, in pairs) went back at every batch and were faulted in again (11.6-12.3M page faults calibrating
 # it on 300 documents; 6.4-10.3M at this share). 64 MiB for every checkpoint broke the memory bound on a 407 MB
 # GPT-2-medium shape (46-54% of it against 41-43%); this share read 40-45% there.
 TOP_SHARE = 1 / 16
+# SmolLM2 (269 MB in bfloat16, run in float32 on a CPU without bfloat16 products), 300 documents: 3.5-3.8M page
+# faults and 96-97 s calibrating at a 16 MiB top (its share of the checkpoint is less), 1.0M and 71 s at 25 MB
+KEPT_TOP_FLOOR = 24 << 20
 
 
 def kept_top(checkpoint_bytes: int) -> int:
-    """The free top a block's heap keeps for a checkpoint of this size (TOP_SHARE)."""
-    return int(min(FREE_HEAP_BOUND, max(HEAP_TRIM_THRESHOLD, TOP_SHARE * checkpoint_bytes)))
+    """The free top a block's heap keeps for a checkpoint of this size (TOP_SHARE, KEPT_TOP_FLOOR)."""
+    return int(min(FREE_HEAP_BOUND, max(KEPT_TOP_FLOOR, HEAP_TRIM_THRESHOLD, TOP_SHARE * checkpoint_bytes)))
 
 
 def _by_block(folder: Path, plan, batches: CalibrationBatches, current: CurrentBatch, observer: Observer, progress,

@@ -292,6 +292,26 @@ def weight_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in Path(folder).iterdir() if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
 
 
+def stored_float_type(folder: Path) -> str:
+    """The safetensors dtype ("BF16", "F16", "F32", "F64") most of `folder`'s floating weights are stored in, by
+    count of numbers; "F32" where no safetensors header can be read (pytorch_model.bin, a broken file)."""
+    from .headers import check_safetensors_header
+
+    counts: dict[str, int] = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            _, entries = check_safetensors_header(file)
+        except BadInputError:
+            continue
+        for entry in entries.values():
+            if entry.get("dtype") in ("F64", "F32", "F16", "BF16"):
+                numbers = 1
+                for size in entry.get("shape", []):
+                    numbers *= int(size)
+                counts[entry["dtype"]] = counts.get(entry["dtype"], 0) + numbers
+    return max(counts, key=counts.get) if counts else "F32"
+
+
 def weights_on_disk(source: Path, output: Path) -> dict:
     """Bytes of weight files in the input and the output folders; where the input was a GGUF file dequantised into
     a cached folder (io/gguf.py), that file's own size too, so a report can say what the user gave."""

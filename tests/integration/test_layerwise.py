@@ -254,17 +254,17 @@ def test_a_block_keeps_one_heap_and_one_load_of_its_weights_for_all_its_batches(
     assert loads.count("GPT2Block") == blocks
     assert libc.calls.count(("mallopt", cpu.HEAP_THRESHOLD)) == blocks
     assert [call for call in libc.calls if call[0] == "mallopt"][-1] == ("mallopt", cpu.MMAP_THRESHOLD)
-    # a tiny checkpoint's blocks keep a refinement step's top (model_runs.kept_top)
-    assert libc.trim_thresholds == [("mallopt", cpu.HEAP_TRIM_THRESHOLD), ("mallopt", cpu.TRIM_THRESHOLD)] * blocks
+    # a tiny checkpoint's blocks keep the floor's top (model_runs.kept_top)
+    assert libc.trim_thresholds == [("mallopt", model_runs.KEPT_TOP_FLOOR), ("mallopt", cpu.TRIM_THRESHOLD)] * blocks
 
 
 def test_a_block_keeps_a_larger_free_top_only_where_the_checkpoint_affords_it():
-    """The free top kept between a block's batches is a sixteenth of the checkpoint: a refinement step's 16 MiB
-    for a small one (under the memory bound's share), enough for a 0.5B-class checkpoint's feed-forward batches
-    (tensors of 17.7 MB, freed in pairs), and at most the bound on the heap's growth for large ones."""
-    from collab_convert import cpu
-
-    assert model_runs.kept_top(100 << 20) == cpu.HEAP_TRIM_THRESHOLD
+    """The free top kept between a block's batches is a sixteenth of the checkpoint: 24 MiB at least (SmolLM2's
+    batches in a float32 pass free more than 16 MiB, which were faulted in again at every batch), enough for a
+    0.5B-class checkpoint's feed-forward batches (tensors of 17.7 MB, freed in pairs), and at most the bound on the
+    heap's growth for large ones."""
+    assert model_runs.kept_top(100 << 20) == model_runs.KEPT_TOP_FLOOR == 24 << 20
+    assert model_runs.kept_top(512 << 20) == 32 << 20
     assert model_runs.kept_top(771 << 20) >= 48 << 20
     assert model_runs.kept_top(8 << 30) == model_runs.FREE_HEAP_BOUND
 
