@@ -121,6 +121,7 @@ class FidelityEstimator:
         worst, and for language models the next-token top-1 agreement and KL (one pass of each model gives both:
         integration/fidelity.compare_language_models)."""
         from .integration.fidelity import compare_language_models, is_language_model, worst_texts
+        from .integration.model_runs import pass_share
 
         next_tokens = {}
         if is_language_model(self.source.config.get("architectures")):
@@ -130,7 +131,8 @@ class FidelityEstimator:
             found = compare_language_models(
                 self._loaded(folder, AutoModelForCausalLM), self._loaded(self.source.folder, AutoModelForCausalLM),
                 self.tokenizer, self.probe.texts, self.options.calibration_max_length, device=device,
-                prefixes=[layer.prefix for layer in self.source.layers], kept=self.kept)
+                prefixes=[layer.prefix for layer in self.source.layers], kept=self.kept,
+                share=pass_share(self.source.folder, device))
             stats, next_tokens = found.cosine, {"top1_agreement": found.top1_agreement, "kl_mean": found.kl_mean}
         else:
             stats = self._cosine_stats(folder)

@@ -41,3 +41,21 @@ def test_a_half_precision_checkpoint_run_in_float32_takes_half_the_tokens_a_batc
     monkeypatch.setattr(devices, "training_products", lambda device: torch.bfloat16)  # the pass stays in bfloat16
     assert pass_batch_tokens(half, run) == batch_tokens(576)
 
+
+
+def test_held_out_batches_shrink_by_the_same_share_on_both_sides_of_the_fidelity_check():
+    """The calibration pass runs the held-out texts through the original as the fidelity check batches them
+    (model_runs.KeptStates): both take the share, so the batches stay equal, each within its share of tokens."""
+    from types import SimpleNamespace
+
+    from collab_convert.integration.batches import probe_batches
+    from fixtures.models import CharacterTokenizer
+
+    config = SimpleNamespace(hidden_size=1024, vocab_size=50257)
+    texts = ["a text of some length " * 4] * 40
+    whole, halved = (probe_batches(CharacterTokenizer(), texts, 96, config, share) for share in (1.0, 0.5))
+    assert [len(group) for group in halved.chosen] == [len(group) for group in probe_batches(
+        CharacterTokenizer(), texts, 96, config, 0.5).chosen]
+    most = max(ids.numel() for ids, _ in whole.batches)
+    assert max(ids.numel() for ids, _ in halved.batches) <= most // 2 < most
+    assert sum(len(group) for group in halved.chosen) == len(texts)

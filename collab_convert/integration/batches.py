@@ -94,12 +94,14 @@ class ProbeBatches:
     batches: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def probe_batches(tokenizer, texts: list[str], max_length: int, config) -> ProbeBatches:
+def probe_batches(tokenizer, texts: list[str], max_length: int, config, share: float = 1.0) -> ProbeBatches:
     """The fidelity check's batches of `texts`: the calibration pass runs the same ones through the original
-    where it keeps its states for the check (model_runs.KeptStates), so both see equal tensors."""
+    where it keeps its states for the check (model_runs.KeptStates), so both see equal tensors. `share`: what the
+    tokens of a batch are scaled by (model_runs.pass_share, the same on both sides)."""
     encoded = [ids or [pad_id(tokenizer)] for ids in tokenizer(texts, truncation=True, max_length=max_length)
                ["input_ids"]]
-    chosen = _consecutive(encoded, _body_tokens(config, max(map(len, encoded), default=1)))
+    longest = max(map(len, encoded), default=1)
+    chosen = _consecutive(encoded, max(longest, int(_body_tokens(config, longest) * share)))
     return ProbeBatches(encoded, chosen, [right_padded(group, pad_id(tokenizer)) for group in chosen])
 
 

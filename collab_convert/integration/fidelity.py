@@ -12,7 +12,7 @@ from ..errors import BadInputError
 from ..options import gate_failures
 from ..results import VerifyResult
 from .bodies import block_names, bodies_by_block, body_output, finished_bodies
-from .model_runs import FREE_HEAP_BOUND, KeptStates
+from .model_runs import FREE_HEAP_BOUND, KeptStates, pass_share
 
 
 @torch.no_grad()
@@ -102,7 +102,7 @@ class LanguageModelFidelity:
 @torch.no_grad()
 def compare_language_models(model, base, tokenizer, texts: list[str], max_length: int = 128, progress=None,
                             device: Device = HOST, prefixes: list[str] | None = None,
-                            kept: KeptStates | None = None) -> LanguageModelFidelity:
+                            kept: KeptStates | None = None, share: float = 1.0) -> LanguageModelFidelity:
     """Sentence-embedding cosines, next-token top-1 agreement and mean KL(base || model), from one pass of each
     model's body per batch of texts and one of its head per text.
 
@@ -113,10 +113,11 @@ def compare_language_models(model, base, tokenizer, texts: list[str], max_length
     embedding is the mean of the final states; the head then runs a text at a time (a text's logits over a 50k
     vocabulary are 26 MB) through the model's own forward, its body standing in with the states already computed,
     so whatever the model does after its body (logit soft-capping, scaling) is its own code. Where the calibration
-    pass kept the base's stack output on these texts (`kept`, model_runs.KeptStates), its blocks do not run here."""
+    pass kept the base's stack output on these texts (`kept`, model_runs.KeptStates), its blocks do not run here.
+    `share`: the batches' tokens scaled by it (model_runs.pass_share of the original)."""
     from .batches import probe_batches
 
-    probe = probe_batches(tokenizer, texts, max_length, base.config.get_text_config())
+    probe = probe_batches(tokenizer, texts, max_length, base.config.get_text_config(), share)
     encoded, chosen = probe.encoded, probe.chosen
     release_unreachable()  # what the work before let go: the first pass should not pile on it either
     batches = [moved(batch, device) for batch in probe.batches]
@@ -283,7 +284,7 @@ def verify(model: str, against: str | None, texts: list[str], thresholds: dict[s
         measured = compare_language_models(
             for_measuring(AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)).to(device),
             for_measuring(AutoModelForCausalLM.from_pretrained(base_folder, dtype=dtype)).to(device),
-            tokenizer, texts, max_length, progress, device)
+            tokenizer, texts, max_length, progress, device, share=pass_share(base_folder, device))
         cos = measured.cosine
     else:
         base = for_measuring(AutoModel.from_pretrained(base_folder, dtype=dtype)).to(device)

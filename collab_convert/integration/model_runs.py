@@ -127,19 +127,24 @@ def calibration_batches(folder: Path, texts: list[str], run: CalibrationRun) -> 
 
 
 def pass_batch_tokens(folder: Path, run: CalibrationRun) -> int:
-    """Padded tokens per calibration batch: batches.batch_tokens, scaled by the bytes of a stored number over those
-    of a number in the pass (devices.pass_dtype), so that a batch's activations keep the same share of the
-    checkpoint whatever precision the pass runs in. A bfloat16 checkpoint run in float32 (a CPU without bfloat16
-    products) holds its block's weights and every activation at twice the bytes: with the tokens of a bfloat16
-    pass, a 12-layer GPT-2-medium-shaped checkpoint's calibration peaked at 263 MB above the imports, 64.5% of it;
-    with half of them at 186 MB, 45.7%, and the stage took 42.0 s instead of 50.2 (2 cores with AVX2 only)."""
+    """Padded tokens per calibration batch: batches.batch_tokens times pass_share."""
+    return max(1, int(batch_tokens(run.width) * pass_share(folder, run.device)))
+
+
+def pass_share(folder: Path, device) -> float:
+    """The bytes of a number as `folder` stores it over those of a number in a pass on `device` (devices.pass_dtype),
+    at most 1: what a batch's tokens are scaled by, so that its activations keep the same share of the checkpoint
+    whatever precision the pass runs in. A bfloat16 checkpoint run in float32 (a CPU without bfloat16 products)
+    holds its block's weights and every activation at twice the bytes: with the tokens of a bfloat16 pass, a
+    12-layer GPT-2-medium-shaped checkpoint's calibration peaked at 263 MB above the imports, 64.5% of it; with
+    half of them (calibration and held-out batches alike) at 186 MB, 45.7%, and the stage took 42.0 s instead of
+    50.2 (2 cores with AVX2 only)."""
     from ..devices import pass_dtype
     from ..io.folders import stored_float_type
     from ..io.headers import SAFETENSORS_DTYPES
 
     stored = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}[stored_float_type(folder)]
-    in_pass = pass_dtype(run.device, stored).itemsize
-    return max(1, batch_tokens(run.width) * min(stored.itemsize, in_pass) // in_pass)
+    return min(1.0, stored.itemsize / pass_dtype(device, stored).itemsize)
 
 
 def observe_calibration(folder: Path, prefixes: list[str], texts: list[str], observer: Observer,
@@ -266,7 +271,7 @@ def _started_probes(runner, folder: Path, kept: KeptStates) -> list[int]:
     config = runner.model.config.get_text_config()
     first = runner.batches
     for input_ids, attention_mask in probe_batches(calibration_tokenizer(folder), kept.texts, kept.max_length,
-                                                   config).batches:
+                                                   config, pass_share(folder, runner.device)).batches:
         runner.start({"input_ids": input_ids, "attention_mask": attention_mask})
     return list(range(first, runner.batches))
 
