@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 
 from collab_convert import devices
 from collab_convert.integration.batches import batch_tokens
-from collab_convert.integration.model_runs import CalibrationRun, pass_batch_tokens
+from collab_convert.integration.model_runs import CalibrationRun, pass_batch_tokens, pass_share
 from collab_convert.io.folders import stored_float_type
 
 
@@ -40,7 +40,8 @@ def test_a_half_precision_checkpoint_run_in_float32_takes_half_the_tokens_a_batc
     assert pass_batch_tokens(single, run) == batch_tokens(576)
     monkeypatch.setattr(devices, "training_products", lambda device: torch.bfloat16)  # the pass stays in bfloat16
     assert pass_batch_tokens(half, run) == batch_tokens(576)
-
+    # verify runs both models in float32 on a CPU whatever it multiplies: its batches take the float32 share
+    assert pass_share(half, "cpu", torch.float32) == 0.5
 
 
 def test_held_out_batches_shrink_by_the_same_share_on_both_sides_of_the_fidelity_check():

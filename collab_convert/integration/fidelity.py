@@ -284,7 +284,8 @@ def verify(model: str, against: str | None, texts: list[str], thresholds: dict[s
         measured = compare_language_models(
             for_measuring(AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)).to(device),
             for_measuring(AutoModelForCausalLM.from_pretrained(base_folder, dtype=dtype)).to(device),
-            tokenizer, texts, max_length, progress, device, share=pass_share(base_folder, device))
+            tokenizer, texts, max_length, progress, device,
+            share=pass_share(base_folder, device, None if dtype == "auto" else dtype))
         cos = measured.cosine
     else:
         base = for_measuring(AutoModel.from_pretrained(base_folder, dtype=dtype)).to(device)

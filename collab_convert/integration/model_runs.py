@@ -131,9 +131,9 @@ def pass_batch_tokens(folder: Path, run: CalibrationRun) -> int:
     return max(1, int(batch_tokens(run.width) * pass_share(folder, run.device)))
 
 
-def pass_share(folder: Path, device) -> float:
-    """The bytes of a number as `folder` stores it over those of a number in a pass on `device` (devices.pass_dtype),
-    at most 1: what a batch's tokens are scaled by, so that its activations keep the same share of the checkpoint
+def pass_share(folder: Path, device, in_pass=None) -> float:
+    """The bytes of a number as `folder` stores it over those of a number in a pass on `device` (devices.pass_dtype,
+    or `in_pass` where the caller runs another dtype), at most 1: what a batch's tokens are scaled by, so that its activations keep the same share of the checkpoint
     whatever precision the pass runs in. A bfloat16 checkpoint run in float32 (a CPU without bfloat16 products)
     holds its block's weights and every activation at twice the bytes: with the tokens of a bfloat16 pass, a
     12-layer GPT-2-medium-shaped checkpoint's calibration peaked at 263 MB above the imports, 64.5% of it; with
@@ -144,7 +144,7 @@ def pass_share(folder: Path, device) -> float:
     from ..io.headers import SAFETENSORS_DTYPES
 
     stored = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}[stored_float_type(folder)]
-    return min(1.0, stored.itemsize / pass_dtype(device, stored).itemsize)
+    return min(1.0, stored.itemsize / (in_pass or pass_dtype(device, stored)).itemsize)
 
 
 def observe_calibration(folder: Path, prefixes: list[str], texts: list[str], observer: Observer,
