@@ -61,17 +61,13 @@ def compress(model: str, options: CompressOptions, progress: Progress = no_progr
 
 
 def _refuse_early(model: str, options: CompressOptions) -> None:
-    """The form's refusals of the options alone, from config.json's family (as open_model finds it), before
-    transformers and the weights load: a forgotten size is said in a second or two."""
-    from .architectures.lookup import family_for
-    from .format import is_collaborative
-    from .io.folders import EMBEDDED_MODELS, read_config, resolve_model
+    """The form's refusals of the options alone, from config.json's family, before transformers and the weights
+    load: a forgotten size is said in a second or two. Where the form is not known yet, open_model says why."""
+    from .architectures.source import form_taken
 
-    if Path(model).expanduser().is_file() or EMBEDDED_MODELS.get(model, ("", ""))[1].endswith(".gguf"):
-        return  # a GGUF input is converted once, while the progress says the model is being opened
-    config = read_config(resolve_model(model))
-    if not is_collaborative(config):  # open_model refuses that one, in its words
-        form_named(family_for(config, options.requested_form)[1].form).refuse_options(options)
+    form = form_taken(model, options.requested_form)
+    if form is not None:
+        form_named(form).refuse_options(options)
 
 
 def _compress(model: str, options: CompressOptions, progress: Progress, threads: dict[str, Any]) -> CompressResult:

@@ -84,12 +84,14 @@ def open_model(model: str, form: str = "auto") -> SourceModel:
 
 def form_taken(model: str, form: str = "auto") -> str | None:
     """The form open_model takes for `form`, from config.json alone, before anything loads: None where it is not
-    known yet (a GGUF file not converted, or a model that open_model will refuse in its own words)."""
+    known yet (a GGUF file not converted, or a model that open_model will refuse in its own words: one already
+    collaborative, an unknown family)."""
     try:
         folder = resolve_model(model, convert=False)
         if not (folder / "config.json").is_file():
             return None
-        return family_for(read_config(folder), form)[1].form
+        config = read_config(folder)
+        return None if is_collaborative(config) else family_for(config, form)[1].form
     except CollabError:
         return None
 

@@ -141,9 +141,9 @@ def pass_share(folder: Path, device, in_pass=None) -> float:
     (300 MB before; 2 cores with AVX2 only)."""
     from ..devices import pass_dtype
     from ..io.folders import stored_float_type
-    from ..io.headers import SAFETENSORS_DTYPES
+    from ..io.headers import DTYPES_BY_NAME
 
-    stored = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}[stored_float_type(folder)]
+    stored = DTYPES_BY_NAME[stored_float_type(folder)]
     return min(1.0, stored.itemsize / (in_pass or pass_dtype(device, stored)).itemsize)
 
 

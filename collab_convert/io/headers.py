@@ -25,6 +25,7 @@ SAFETENSORS_DTYPES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
+DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}  # a header's name -> torch dtype
 
 
 

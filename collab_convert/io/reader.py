@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import BadInputError, first_line
-from .headers import SAFETENSORS_DTYPES, TensorSpec, check_safetensors_header
+from .headers import DTYPES_BY_NAME, TensorSpec, check_safetensors_header
 from .mapped import drop_read_pages, unwritten_file_mapping
 
 COPIED_FROM_BYTES = 1 << 20  # tensors this large are copied off their shard's mapping, whose pages then go
@@ -166,7 +166,7 @@ class TensorReader:
         file, key = self._location[name], self._key[name]
         if file.suffix == ".safetensors":
             view = self._handle(file).get_slice(key)
-            dtype = {v: k for k, v in SAFETENSORS_DTYPES.items()}[view.get_dtype()]
+            dtype = DTYPES_BY_NAME[view.get_dtype()]
             return TensorSpec(name, dtype, tuple(view.get_shape()))
         tensor = self._load_bin(file)[key]
         return TensorSpec(name, tensor.dtype, tuple(tensor.shape))

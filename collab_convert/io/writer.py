@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import BadInputError
-from .headers import SAFETENSORS_DTYPES, TensorSpec, check_safetensors_header
+from .headers import DTYPES_BY_NAME, SAFETENSORS_DTYPES, TensorSpec, check_safetensors_header
 
 
 def parse_size(text: str | int) -> int:
@@ -157,7 +157,6 @@ def overwrite_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Write new values of tensors already in the folder's safetensors shards, in place: same names, dtypes
     and shapes, so every offset stays and no other byte changes. Values are cast to the dtype on disk. Every
     name and shape is checked before the first byte is written."""
-    by_dtype = {v: k for k, v in SAFETENSORS_DTYPES.items()}
     plan: dict[Path, list[tuple[int, torch.Tensor]]] = {}
     left = dict(tensors)
     for file in sorted(folder.glob("*.safetensors")):
@@ -166,7 +165,7 @@ def overwrite_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
             entry, value = entries[name], left.pop(name)
             if list(value.shape) != list(entry["shape"]):
                 raise RuntimeError(f"{name}: shape {list(value.shape)} is not the {entry['shape']} on disk")
-            value = value.detach().to("cpu", by_dtype[entry["dtype"]]).contiguous()
+            value = value.detach().to("cpu", DTYPES_BY_NAME[entry["dtype"]]).contiguous()
             plan.setdefault(file, []).append((data_start + entry["data_offsets"][0], value))
     if left:
         raise RuntimeError(f"tensors not in {folder}: {sorted(left)[:3]}")
