@@ -16,27 +16,42 @@ import torch
 
 
 class SpillFolder(MutableMapping):
-    """str -> object, each in its own file under `folder`; keys keep their insertion order."""
+    """str -> object, each in its own file under `folder`; keys keep their insertion order. A plain tensor is
+    written as its raw bytes and read back into one new tensor; anything else is pickled (torch.save)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._files: dict[str, Path] = {}  # insertion-ordered; a new key gets a file number never used before
+        self._files: dict[str, Path] = {}  # insertion-ordered; a new file gets a number never used before
+        self._raw: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # shape and dtype of the keys written raw
         self._written = 0
 
     def __setitem__(self, key: str, value: Any) -> None:
-        path = self._files.get(key) or self.folder / f"{self._written}.pt"
-        partial = path.with_suffix(".partial")
-        torch.save(value, partial)
-        partial.replace(path)
-        if key not in self._files:
-            self._files[key] = path
+        raw = isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.layout == torch.strided
+        suffix = ".raw" if raw else ".pt"
+        path = self._files.get(key)
+        if path is None or path.suffix != suffix:
+            if path is not None:
+                path.unlink(missing_ok=True)
+            path = self.folder / f"{self._written}{suffix}"
             self._written += 1
+        partial = path.with_suffix(".partial")
+        if raw:
+            _write_raw(value, partial)
+            self._raw[key] = (tuple(value.shape), value.dtype)
+        else:
+            torch.save(value, partial)
+            self._raw.pop(key, None)
+        partial.replace(path)
+        self._files[key] = path
 
     def __getitem__(self, key: str) -> Any:
+        if key in self._raw:
+            return _read_raw(self._files[key], *self._raw[key])
         return torch.load(self._files[key], weights_only=False)  # our own file, from this run
 
     def __delitem__(self, key: str) -> None:
+        self._raw.pop(key, None)
         self._files.pop(key).unlink(missing_ok=True)
 
     def __contains__(self, key) -> bool:  # Mapping's own would load the file to find out
@@ -47,6 +62,27 @@ class SpillFolder(MutableMapping):
 
     def __len__(self) -> int:
         return len(self._files)
+
+
+def _bytes_of(tensor: torch.Tensor):
+    """A contiguous tensor's memory as a flat uint8 array (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def _write_raw(tensor: torch.Tensor, path: Path) -> None:
+    # torch.save's archive around a block's activations (a few MB, written and read once per block and batch)
+    # cost more than the bytes themselves
+    with open(path, "wb") as handle:
+        handle.write(memoryview(_bytes_of(tensor.detach().resolve_conj().resolve_neg().contiguous())))
+
+
+def _read_raw(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    tensor = torch.empty(shape, dtype=dtype)
+    with open(path, "rb") as handle:
+        read = handle.readinto(memoryview(_bytes_of(tensor)))
+    if read != tensor.numel() * tensor.element_size():
+        raise RuntimeError(f"{path}: {read} bytes, not the {tensor.numel() * tensor.element_size()} written")
+    return tensor
 
 
 class HeldOrSpilled:
