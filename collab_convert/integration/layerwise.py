@@ -130,15 +130,29 @@ def weights_held(block: nn.Module):
         hook.post_forward(block, None)  # drops them
 
 
-# Activations between blocks stay in host memory up to this share of the checkpoint's bytes; the rest wait on disk.
-# Saving and loading every batch at every block took 7% of SmolLM2's blocks (34.4 s against 32.1 s); its 38,400
-# calibration tokens hold 45 MB against a 257 MB checkpoint, the memory benchmark's 16-32 documents 4-8 MB of 407.
+# Activations between blocks stay in host memory up to this share of the checkpoint's bytes, less the working set of
+# the block that runs (held_bytes); the rest wait on disk. Saving and loading every batch at every block took 7% of
+# SmolLM2's blocks (34.4 s against 32.1 s); its 38,400 calibration tokens hold 45 MB against a 257 MB checkpoint.
 HELD_SHARE = 0.25
+# A block's working set, in multiples of its weights in the pass's precision: the weights, its batch's feed-forward
+# activations and the statistics' float64 sums (a GPT-2-medium block run in float32 at 512 tokens a batch: 50, 25
+# and 17 MB).
+BLOCK_WORKING_SET = 2
+
+
+def held_bytes(checkpoint_bytes: int, block_bytes: int) -> int:
+    """How many bytes of activations may wait in host memory between blocks, for a checkpoint whose largest block
+    holds `block_bytes` of weights in the pass's precision: what HELD_SHARE leaves beside that block's working set.
+    With HELD_SHARE alone, a 12-layer GPT-2-medium-shaped checkpoint run in float32 (a CPU without bfloat16
+    products) held its 34 MB of activations and its calibrating stage peaked at 180-204 MB above the imports
+    against the memory bound's 203 MB; with them on disk, 123-165 MB. SmolLM2 keeps some in memory: all of them
+    on disk cost its calibrating stage 5-9% (2 cores with AVX2 only)."""
+    return max(0, int(HELD_SHARE * checkpoint_bytes) - BLOCK_WORKING_SET * block_bytes)
 
 
 class BlockRunner:
     """The model's blocks, run one at a time on `device` over batches whose activations wait between blocks in
-    host memory, up to HELD_SHARE of the checkpoint, or on disk under `scratch` (io.spill.HeldOrSpilled)."""
+    host memory, up to held_bytes, or on disk under `scratch` (io.spill.HeldOrSpilled)."""
 
     def __init__(self, folder: Path, skeleton_blocks: list[tuple[str, str]], mapping: dict[str, str],
                  scratch: Path, device: Device = HOST):
@@ -159,7 +173,8 @@ class BlockRunner:
         # take half the bytes of the float32 first-block inputs in a bfloat16 pass, and the blocks see the same
         self.dtype = floating_dtype(self.blocks[0][0])
         self.checkpoint_bytes = weight_bytes(folder)  # what the memory it holds is measured against
-        self.activations = HeldOrSpilled(scratch, int(HELD_SHARE * self.checkpoint_bytes))
+        block_bytes = max(sum(p.numel() for p in block.parameters()) for block, _ in self.blocks) * self.dtype.itemsize
+        self.activations = HeldOrSpilled(scratch, held_bytes(self.checkpoint_bytes, block_bytes))
         self.batches = 0
         self.returns_tuple = False  # whether the blocks return tuples (their states first), once one has run
 

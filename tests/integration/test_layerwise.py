@@ -55,14 +55,26 @@ def test_held_or_spilled_keeps_what_fits_in_memory_and_the_rest_on_disk(tmp_path
     store = HeldOrSpilled(tmp_path, budget=4 * 4)  # room for four float32 numbers
     store["first"], store["second"] = torch.arange(3.0), {"mask": torch.ones(2)}
     assert list(store.held) == ["first"] and store.used == 12
-    assert list(store.spilled) == ["second"] and len(list(tmp_path.glob("*.pt"))) == 1
+    assert list(store.spilled) == ["second"] and len(list(tmp_path.iterdir())) == 1
     kept = store["first"]
     store["first"] = torch.full((3,), 7.0)  # the same shape: written into the tensor held, not a new one
     assert store["first"] is kept and torch.equal(kept, torch.full((3,), 7.0))
     assert torch.equal(store["second"]["mask"], torch.ones(2))
     store["first"] = torch.zeros(5)  # larger than the budget now: to disk, and the memory it held is free
     assert not store.held and store.used == 0 and torch.equal(store["first"], torch.zeros(5))
-    assert list(store.spilled) == ["second", "first"] and len(list(tmp_path.glob("*.pt"))) == 2
+    assert list(store.spilled) == ["second", "first"] and len(list(tmp_path.iterdir())) == 2
+
+
+def test_activations_wait_in_memory_only_beside_the_working_set_of_the_block_that_runs():
+    """Held activations share the memory bound with the block that runs: a checkpoint of few large blocks (or
+    one whose blocks run wider than it is stored) keeps them on disk, one of many small blocks in memory."""
+    from collab_convert.integration.layerwise import BLOCK_WORKING_SET, HELD_SHARE, held_bytes
+
+    checkpoint = 400_000_000
+    room = int(HELD_SHARE * checkpoint)
+    assert held_bytes(checkpoint, block_bytes=room // BLOCK_WORKING_SET) == 0
+    assert held_bytes(checkpoint, block_bytes=2 * room) == 0  # never below nothing
+    assert held_bytes(checkpoint, block_bytes=room // (4 * BLOCK_WORKING_SET)) == room - room // 4
 
 
 @pytest.mark.parametrize("held", ["none", "some", "all"])
@@ -87,7 +99,7 @@ def test_activations_between_blocks_wait_in_memory_or_on_disk_alike(held, tmp_pa
     whole = _statistics(folder)
     by_block = _statistics(folder, scratch=tmp_path / "scratch")
     in_memory = len(runners[0].activations.held)
-    on_disk = len(list((tmp_path / "scratch" / "activations").glob("*.pt")))
+    on_disk = len([path for path in (tmp_path / "scratch" / "activations").iterdir() if path.is_file()])
     assert in_memory + on_disk == 2 * runners[0].batches  # each batch's inputs and hidden states, one place each
     assert {"none": on_disk == 2 * runners[0].batches, "some": in_memory and on_disk,
             "all": in_memory == 2 * runners[0].batches}[held]
@@ -130,6 +142,28 @@ def test_spill_folder_keeps_objects_on_disk(tmp_path):
     assert list(spilled) == ["second"] and spilled["second"] == [1, 2]
     assert "second" in spilled and "first" not in spilled
     assert len(list((tmp_path / "spill").glob("*.pt"))) == 1
+
+
+def test_spill_folder_writes_plain_tensors_as_their_bytes_and_reads_them_back_alike(tmp_path):
+    """A block's activations are written raw (no pickle around them): every dtype, shape and layout comes back
+    equal, and a key that changes between a tensor and another object keeps its place and one file."""
+    spilled = SpillFolder(tmp_path / "spill")
+    values = {"bfloat16": torch.randn(2, 3, 4).to(torch.bfloat16), "bool": torch.tensor([True, False, True]),
+              "scalar": torch.tensor(2.5, dtype=torch.float64), "empty": torch.zeros(0, 4),
+              "transposed": torch.arange(12.0).reshape(3, 4).t(), "long": torch.arange(5)}
+    for key, value in values.items():
+        spilled[key] = value
+    for key, value in values.items():
+        back = spilled[key]
+        assert back.dtype == value.dtype and back.shape == value.shape and torch.equal(back, value), key
+    assert all(path.suffix == ".raw" for path in (tmp_path / "spill").iterdir())
+    spilled["bool"] = {"mask": torch.ones(2)}  # a tensor replaced by another object, and back again
+    assert torch.equal(spilled["bool"]["mask"], torch.ones(2))
+    spilled["bool"] = torch.full((2,), 7)
+    assert torch.equal(spilled["bool"], torch.full((2,), 7)) and list(spilled) == list(values)
+    assert len(list((tmp_path / "spill").iterdir())) == len(values)
+    del spilled["bool"]
+    assert "bool" not in spilled and len(list((tmp_path / "spill").iterdir())) == len(values) - 1
 
 
 def test_offloaded_collaborative_model_runs_as_loaded_whole(tmp_path):
