@@ -4,6 +4,7 @@ folder so that it appears whole or not at all. Files only: no tensors, no math."
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -305,10 +306,7 @@ def stored_float_type(folder: Path) -> str:
             continue
         for entry in entries.values():
             if entry.get("dtype") in ("F64", "F32", "F16", "BF16"):
-                numbers = 1
-                for size in entry.get("shape", []):
-                    numbers *= int(size)
-                counts[entry["dtype"]] = counts.get(entry["dtype"], 0) + numbers
+                counts[entry["dtype"]] = counts.get(entry["dtype"], 0) + math.prod(entry.get("shape", []))
     return max(counts, key=counts.get) if counts else "F32"
 
 

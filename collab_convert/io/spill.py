@@ -80,8 +80,8 @@ def _read_raw(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
     tensor = torch.empty(shape, dtype=dtype)
     with open(path, "rb") as handle:
         read = handle.readinto(memoryview(_bytes_of(tensor)))
-    if read != tensor.numel() * tensor.element_size():
-        raise RuntimeError(f"{path}: {read} bytes, not the {tensor.numel() * tensor.element_size()} written")
+    if read != tensor.nbytes:
+        raise RuntimeError(f"{path}: {read} bytes, not the {tensor.nbytes} written")
     return tensor
 
 
