@@ -222,3 +222,20 @@ def test_statistics_of_sequences_laid_end_to_end_are_the_sum_of_each_ones(geomet
     if geometry.pass_dim:  # centred on the batch's mean instead, the covariance would differ
         pooled = statistics_of(torch.cat(queries), torch.cat(keys), geometry)
         assert not torch.allclose(pooled.pass_key_covariance, summed.pass_key_covariance, rtol=1e-3)
+
+
+def test_the_pass_through_subspace_weighs_block_by_block_as_the_whole_weight_would():
+    """The pass-through fit's weight is block-diagonal (one block per key group): its root and inverse root taken
+    block by block give the subspace the dense root and its pseudo-inverse give, without (G p)^2 work matrices."""
+    from collab_convert.decompose.shared_key import (_matrix_root, _regularised, pass_subspace,
+                                                     weighted_subspace)
+
+    geometry = HeadGeometry(6, 3, 8, 0)
+    statistics = weight_statistics(*random_layer(geometry, seed=5), geometry)
+    statistics.pass_query_moment[1] *= 1e-3  # a weak group: the floor must stay the whole weight's
+    for rank in (0, 5, 24):
+        blocks = pass_subspace(statistics, rank)
+        dense = weighted_subspace(statistics.pass_key_covariance,
+                                  _matrix_root(_regularised(torch.block_diag(*statistics.pass_query_moment))), rank)
+        assert torch.allclose(blocks.losses, dense.losses, rtol=1e-9, atol=1e-12)
+        assert torch.allclose(blocks.from_shared @ blocks.to_shared, dense.from_shared @ dense.to_shared, atol=1e-8)
