@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cpu import return_freed_heap
+from ..cpu import HEAP_TRIM_THRESHOLD, reused_heap
 
 AVERAGING = 0.97  # the weight of the average's past at each step (Polyak averaging over about 30 steps)
 
@@ -108,13 +108,17 @@ def adam_with_held_out_groups(groups: list[list[torch.Tensor]], minibatch_loss, 
                                                                                                 strict=True)]
     average = _Average(parameters, averaging)
     rates = [group["lr"] for group in optimizer.param_groups]
-    # What the setup freed (stacking the batches, the start's held-out loss) is handed back before the steps pile
-    # their working set on it. Each layer's refinement rose 15-20 MB less (a 12-layer GPT-2-medium-shaped
-    # checkpoint, shared key at rank 768). Bounding the heap's growth between steps as well (cpu.BoundedHeap, 16
-    # or 32 MB) made that refinement 40% slower for no lower peak.
-    return_freed_heap()
-    _steps(groups, states, optimizer, rates, average, minibatch_loss, held_out_losses, steps, check_every, patience,
-           warmup, on_check)
+    # The steps, and only they, reuse the heap (cpu.reused_heap): they allocate the same working set again and
+    # again. Its way in hands back what the setup freed (stacking the batches, the start's held-out loss) before the
+    # steps pile their working set on it (each layer's refinement rose 15-20 MB less: a 12-layer GPT-2-medium-shaped
+    # checkpoint, shared key at rank 768). The setup itself runs beside it: its large one-time tensors then come
+    # from their own mappings and go back when freed; in the reused heap the float16 samples freed as the float32
+    # stack grew left holes no later request fitted (the same checkpoint's refining stage 190-224 MB above the
+    # imports, 176-184 MB so). Bounding the heap's growth between steps as well (cpu.BoundedHeap, 16 or 32 MB)
+    # made that refinement 40% slower for no lower peak.
+    with reused_heap(top=HEAP_TRIM_THRESHOLD):
+        _steps(groups, states, optimizer, rates, average, minibatch_loss, held_out_losses, steps, check_every,
+               patience, warmup, on_check)
     return [(state.best, state.initial, state.best_loss, state.taken) for state in states]
 
 

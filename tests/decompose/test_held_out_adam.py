@@ -104,13 +104,24 @@ def test_a_check_sees_no_gradients_and_keeps_the_best_in_the_tensors_it_started_
     assert best_tensors[0]() is best[0]  # the start's copy, made before the first step, holds the best
 
 
-def test_what_the_setup_freed_is_handed_back_once_before_the_first_step(monkeypatch):
-    """The heap's free pages go back to the system after the start's held-out loss and before the first step,
-    once: the steps' working set then grows from what is live, not on top of the setup's leftovers."""
+def test_only_the_steps_reuse_the_heap_and_what_the_setup_freed_is_handed_back_before_them(monkeypatch):
+    """The steps allocate the same working set again and again, so they, and only they, reuse glibc's heap
+    (cpu.reused_heap), whose way in hands the heap's free pages back: after the start's held-out loss, before the
+    first step, once. The steps' working set then grows from what is live, not on top of the setup's leftovers,
+    and the setup's one-time tensors leave no holes in it."""
+    import contextlib
+
     from collab_convert.decompose import held_out_adam
 
     events = []
-    monkeypatch.setattr(held_out_adam, "return_freed_heap", lambda: events.append("handed back"))
+
+    @contextlib.contextmanager
+    def recorded_heap(top=0):
+        events.append("heap reused")
+        yield
+        events.append("heap let go")
+
+    monkeypatch.setattr(held_out_adam, "reused_heap", recorded_heap)
     parameters, minibatch_loss, held_out_loss = _noisy_quadratic(3)
 
     def step_loss():
@@ -122,4 +133,4 @@ def test_what_the_setup_freed_is_handed_back_once_before_the_first_step(monkeypa
         return held_out_loss()
 
     adam_with_held_out(parameters, step_loss, checked, 3, 0.05, check_every=2)
-    assert events == ["check", "handed back", "step", "step", "check", "step", "check"]
+    assert events == ["check", "heap reused", "step", "step", "check", "step", "check", "heap let go"]

@@ -11,7 +11,6 @@ from typing import Any
 
 from ...architectures.layouts import AttentionLayer, Projections
 from ...architectures.source import SourceModel
-from ...cpu import HEAP_TRIM_THRESHOLD, reused_heap
 from ...decompose.costs import collaborative_cost, original_cost
 from ...decompose.methods import FitRequest, LayerFit, method_named
 from ...decompose.products import content_bias, relative_error
@@ -63,9 +62,8 @@ def convert_weights(source: SourceModel, options: CompressOptions, folder: Path,
                                                 key_metrics)
         refinement = None
         if steps.get(layer.prefix) and rank < layer.shape.key_dim:
-            with reused_heap(top=HEAP_TRIM_THRESHOLD):
-                refinement = _refine(projections, layer, layer_fit, bias, metric, steps, labels, options,
-                                     progress)
+            # (the steps reuse the heap for their working set: decompose/held_out_adam.py)
+            refinement = _refine(projections, layer, layer_fit, bias, metric, steps, labels, options, progress)
             layer_fit.factors, bias = refinement.pop("factors"), refinement.pop("content_bias")
             layer_fit.relative_error = relative_error(projections.products(layer.shape.num_heads), layer_fit.factors)
         tensors = collaborative_tensors(layer.prefix, layer_fit.factors.shared_query, layer_fit.factors.shared_key,

@@ -13,7 +13,6 @@ import torch
 
 from ...architectures.layouts import AttentionLayer
 from ...architectures.source import SourceModel
-from ...cpu import HEAP_TRIM_THRESHOLD, reused_heap
 from ...decompose.costs import SharedKeyShape, original_grouped_cost, shared_key_cost
 from ...decompose.shared_key import (
     HeadGeometry,
@@ -213,9 +212,9 @@ def refine_layers(layers: list, options: CompressOptions, announce, step_sequenc
 
     announce("refining")
     started = time.perf_counter()
-    with reused_heap(top=HEAP_TRIM_THRESHOLD):  # the steps allocate their working set afresh (cpu.reused_heap)
-        results = refine_shared_keys(layers, steps=options.refine_steps, seed=options.seed, device=options.device,
-                                     consume=True, batch_sequences=step_sequences)
+    # (the steps reuse the heap for their working set: decompose/held_out_adam.py)
+    results = refine_shared_keys(layers, steps=options.refine_steps, seed=options.seed, device=options.device,
+                                 consume=True, batch_sequences=step_sequences)
     share = (time.perf_counter() - started) / len(results)
     return [(refined, {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
                        "objective": refined.objective, "loss_before": refined.loss_before,
