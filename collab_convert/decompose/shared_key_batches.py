@@ -85,20 +85,24 @@ class StackedSequences:
         targets = targets and has_values and setting.output_weight is not None
         recorded = targets and all(sample.target_output is not None for sample in samples)
         # Where the steps' products round to a narrower dtype anyway, the rows they gather wait in the calibration
-        # record's own dtype (float16: the targets exactly as recorded) and reach float32 as a step gathers them;
-        # keys and values, only operands then, wait in the products' dtype
+        # record's own dtype (float16: the targets exactly as recorded) and reach float32 as a step gathers them.
+        # Where the targets are known, keys and values are only a step's operands, cast as it gathers them: they wait
+        # in the products' dtype where that is narrower than float32, else in the record's own (float16 keeps them
+        # exactly, in half of float32's bytes), as do queries no rotation turns (their slot coordinates are the
+        # recorded numbers): 23 MB less a layer of a GPT-2-medium shape at 32 sequences of 128
         narrow = products != torch.float32 and recorded
+        record = samples[0].keys.dtype
+        operands = products if products != torch.float32 else record if record.itemsize < 4 else torch.float32
         if recorded:  # with the targets known, the original attention is never computed again: no queries kept
             self.queries = None
-            self.slot_queries = self._turned_slots(samples, stacked, slots,
-                                                   samples[0].queries.dtype if narrow else torch.float32)
+            self.slot_queries = self._turned_slots(samples, stacked, slots, samples[0].queries.dtype if narrow or (
+                not geometry.rotary_dim and operands == record) else torch.float32)
         else:
             self.queries = self._turned(stacked("queries"))  # (S, n, H, d)
             # what a step's shared query reads: gathering a batch's slots from its rows took 4% of a SmolLM2 step
             self.slot_queries = slot_coordinates(self.queries, slots, geometry.rotary_dim)  # (S, n, H, 2W + p)
-        operands = products if narrow else torch.float32
-        self.keys = stacked("keys", operands)  # (S, m, G, d), before RoPE
-        self.values = stacked("values", operands) if has_values else None
+        self.keys = stacked("keys", operands if recorded else torch.float32)  # (S, m, G, d), before RoPE
+        self.values = stacked("values", operands if recorded else torch.float32) if has_values else None
         self.target_output = None
         if recorded:  # recorded by the calibration pass (computing them again took 0.11 s of a SmolLM2 layer's ~2 s)
             self.target_output = stacked("target_output",
@@ -107,9 +111,9 @@ class StackedSequences:
             with torch.no_grad():  # in float32, as every check's target; one problem's attention held at a time
                 self.target_output = torch.cat([problem.target_output for problem in self.each_problem(2)])
             self.queries = None
+            self.keys, self.values = self.keys.to(operands), self.values.to(operands)
         if self.target_output is not None and products != torch.float32:
-            # with targets known, keys, values and output projection are only operands: kept in the products' dtype
-            self.keys, self.values = self.keys.to(products), self.values.to(products)
+            # with targets known, the output projection is only an operand too: kept in the products' dtype
             self.setting = replace(setting, output_weight=setting.output_weight.to(products))
         if self.target_output is not None and for_steps and quadratic_pays(setting.output_weight):
             # a step's error reads only T W and |T|^2 of the targets (QuadraticError)

@@ -2,6 +2,8 @@
 attention's output computed once for every position: what it gathers must be what those sequences say, at the
 rows it draws, whatever their lengths."""
 
+from dataclasses import replace
+
 import torch
 
 from collab_convert.decompose.rotary_ops import rotate_half_dims
@@ -184,6 +186,40 @@ def test_with_recorded_targets_bfloat16_steps_gather_float32_rows_kept_in_the_re
     assert torch.allclose(gathered._slot_queries, expected._slot_queries, rtol=1e-3, atol=1e-3)
     (loss, norm), (loss_exact, norm_exact) = (p.loss(*parameters) for p in (gathered, expected))
     assert norm == norm_exact and abs(float(loss) - float(loss_exact)) < 0.03 * float(loss_exact)
+
+
+def test_with_recorded_targets_float32_steps_keep_keys_and_values_as_recorded_and_score_the_same():
+    """Where a step's products are float32, the keys and values (only its operands once the targets are known) wait
+    in the record's float16, half of float32's bytes, and so do the queries' slot coordinates where no rotation
+    turns them; a step casts what it gathers, so its loss and gradient are those of a float32 stack exactly."""
+    for geometry, rotary in ((GEOMETRY, 8), (HeadGeometry(num_heads=6, kv_heads=2, head_dim=8, rotary_dim=0), 0)):
+        samples, setting, _ = sequences_and_setting(seed=7)
+        setting = replace(setting, cos=setting.cos[:, :rotary], sin=setting.sin[:, :rotary])
+        generator = torch.Generator().manual_seed(8)
+        for sample in samples:  # any recorded outputs: what matters is that both stacks read the same numbers
+            sample.target_output = torch.randn(sample.queries.shape[0], 16, generator=generator).half()
+        statistics = sum((statistics_of(s.queries.float(), s.keys.float(), geometry) for s in samples[1:]),
+                         statistics_of(samples[0].queries.float(), samples[0].keys.float(), geometry))
+        factors = fit_shared_key(statistics, geometry, KeyRanks((1,) * (rotary // 2), 0 if rotary else 3))
+        slots = slot_frequencies(factors.ranks)
+        widened = [SharedKeySample(*(part.float() for part in (s.queries, s.keys, s.values, s.target_output)))
+                   for s in samples]
+        kept = StackedSequences(samples, geometry, setting, slots, targets=True)
+        wide = StackedSequences(widened, geometry, setting, slots, targets=True)
+        assert kept.keys.dtype == kept.values.dtype == torch.float16 and wide.keys.dtype == torch.float32
+        assert kept.slot_queries.dtype == (torch.float32 if rotary else torch.float16)
+        chosen, picks = torch.tensor([0, 3, 5]), [torch.tensor([2, 6, 19]), torch.tensor([1, 8]), torch.tensor([16])]
+        losses, gradients = [], []
+        for stack in (kept, wide):
+            parameters = [t.float().requires_grad_(True) for t in (factors.key_mixing, factors.query_core,
+                                                                    factors.pass_core)]
+            loss, _ = stack.problem(chosen, rows_of(picks)).loss(*parameters)
+            loss.backward()
+            losses.append(loss.detach())
+            gradients.append([p.grad for p in parameters])
+        assert torch.equal(losses[0], losses[1])
+        assert gradients[0][0] is not None
+        assert all(a is b is None or torch.equal(a, b) for a, b in zip(*gradients, strict=True))
 
 
 def test_consumed_samples_are_let_go_as_they_are_stacked_and_stack_the_same():

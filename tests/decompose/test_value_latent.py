@@ -110,7 +110,7 @@ def test_each_head_reads_the_latent_through_its_own_up_projection():
                                               generator=generator), dim=-1)
     down = torch.randn(6, 16, generator=generator)
     up = torch.randn(4, 8, 6, generator=generator)  # every head its own
-    latent = problem.stacked_values @ down.T  # (B, m, W)
+    latent = problem.stacked_values.float() @ down.T  # (B, m, W); the values wait in the record's float16
     heads = [probabilities[:, head] @ latent @ up[head].T for head in range(4)]  # each head alone: (B, rows, d)
     written_out = torch.cat(heads, -1) @ setting.output_weight.T
     expected = ((written_out - problem.target_output) ** 2).sum(-1)[problem.rows].sum()
