@@ -53,6 +53,16 @@ class AttentionSetting:
                                       "position_bias": self.position_bias}, device))
 
 
+def _operands(record: torch.dtype, products: torch.dtype) -> torch.dtype:
+    """The dtype keys and values wait in where the targets are known: only a step's operands then, cast as it gathers
+    them. The products' dtype where that is narrower than float32, else the record's own where that is (float16
+    keeps them exactly, in half of float32's bytes: 23 MB less a layer of a GPT-2-medium shape at 32 sequences of
+    128), else float32."""
+    if products != torch.float32:
+        return products
+    return record if record.itemsize < 4 else torch.float32
+
+
 class StackedSequences:
     """Calibration sequences stacked once, where the steps run: the queries turned by RoPE at their positions,
     the keys and values as the layer reads them, and (`targets`) the original attention's output at every
@@ -85,14 +95,10 @@ class StackedSequences:
         targets = targets and has_values and setting.output_weight is not None
         recorded = targets and all(sample.target_output is not None for sample in samples)
         # Where the steps' products round to a narrower dtype anyway, the rows they gather wait in the calibration
-        # record's own dtype (float16: the targets exactly as recorded) and reach float32 as a step gathers them.
-        # Where the targets are known, keys and values are only a step's operands, cast as it gathers them: they wait
-        # in the products' dtype where that is narrower than float32, else in the record's own (float16 keeps them
-        # exactly, in half of float32's bytes), as do queries no rotation turns (their slot coordinates are the
-        # recorded numbers): 23 MB less a layer of a GPT-2-medium shape at 32 sequences of 128
+        # record's own dtype (float16: the targets exactly as recorded) and reach float32 as a step gathers them; so
+        # do queries no rotation turns (their slot coordinates are the recorded numbers) where keys do (_operands)
         narrow = products != torch.float32 and recorded
-        record = samples[0].keys.dtype
-        operands = products if products != torch.float32 else record if record.itemsize < 4 else torch.float32
+        record, operands = samples[0].keys.dtype, _operands(samples[0].keys.dtype, products)
         if recorded:  # with the targets known, the original attention is never computed again: no queries kept
             self.queries = None
             self.slot_queries = self._turned_slots(samples, stacked, slots, samples[0].queries.dtype if narrow or (

@@ -262,8 +262,8 @@ def _set_up(layers: list[LayerToRefine], slots: list[torch.Tensor], held: int, w
 def _stacked(layer: LayerToRefine, slots: torch.Tensor, held: int, device: Device, products: torch.dtype,
              consume: bool, trimmed: bool) -> StackedSequences:
     """The layer's training sequences stacked for the steps. `trimmed`: what the stacking freed is handed back at
-    once (cpu.return_freed_heap), so that several layers stacked in turn inside the steps' reused heap do not pile
-    their transients up (four SmolLM2 layers: 270 MB above their live tensors)."""
+    once (cpu.return_freed_heap), so that several layers stacked in turn do not pile their transients up (four
+    SmolLM2 layers stacked inside the steps' reused heap, as they were then: 270 MB above their live tensors)."""
     stack = StackedSequences(layer.samples[:-held] if held else layer.samples, layer.geometry,
                              layer.setting.on(device), slots, device, targets=True, products=products,
                              consume=consume, for_steps=True)
