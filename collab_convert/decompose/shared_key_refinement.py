@@ -36,6 +36,11 @@ CHECK_EVERY = 40
 # four layers never beat their start and stopped so; with 5 checks of 40 they ran all 200 steps (8% more).
 PATIENCE = 3
 QUERY_ROWS = 32  # query positions a step draws in each of its sequences
+# A held-out check scores every row of its sequences, several sequences a problem: at most this many bytes of shared
+# queries (sequences x N_h x n x (2W + p) float32) a problem, and at most 8 sequences. SmolLM2's layers keep 8 (3.5 MB
+# at half the key cache); a GPT-2-medium shape at rank 768 takes one at a time (6.3 MB a sequence: three at once set
+# its refining stage's peak)
+CHECK_BYTES = 8 << 20
 # Steps over which the learning rate rises to its full value: on SmolLM2's dumped layers 10 of them took the summed
 # held-out error from 0.36593 to 0.36482 at half the key cache, 0.03636 to 0.03572 at 75%, and in the multi-query
 # form 0.55190 to 0.53725 (0.54957 at 130 steps instead of 160). docs/benchmarks.md, "A cheaper refinement step".
@@ -252,9 +257,11 @@ def _set_up(layers: list[LayerToRefine], slots: list[torch.Tensor], held: int, w
     for layer, layer_slots in zip(layers, slots, strict=True):
         conditioners.append(_Conditioners.of(layer, held, device))
         check = layer.samples[-held:] if held else layer.samples
+        longest = max(sample.queries.shape[0] for sample in check)
+        size = max(1, min(8, CHECK_BYTES // (layer.geometry.num_heads * longest * (2 * width + pass_width) * 4)))
         checks.append([problem.let_go_of_original() for problem in StackedSequences(
             check, layer.geometry, layer.setting.on(device), layer_slots, device,
-            consume=consume and bool(held)).each_problem()])
+            consume=consume and bool(held)).each_problem(size)])
         parameters.append(conditioners[-1].moved(_parameters(layer, width, pass_width, device, consume)))
     return checks, parameters, conditioners
 

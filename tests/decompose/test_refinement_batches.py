@@ -4,6 +4,7 @@ rows it draws, whatever their lengths."""
 
 from dataclasses import replace
 
+import pytest
 import torch
 
 from collab_convert.decompose.rotary_ops import rotate_half_dims
@@ -274,6 +275,35 @@ def test_a_refinement_that_consumes_its_samples_refines_as_one_that_keeps_them()
         kept, consumed = results
         assert kept.loss_after == consumed.loss_after and kept.steps == consumed.steps
         assert torch.equal(kept.factors.query_core, consumed.factors.query_core)
+
+
+def test_held_out_checks_of_wide_layers_score_fewer_sequences_at_a_time_to_the_same_losses(monkeypatch):
+    """A check scores every row of its held-out sequences, as many sequences a problem as fit in CHECK_BYTES of
+    shared queries (at most 8): a wide layer's checks take fewer at once, and find the same losses."""
+    from collab_convert.decompose import shared_key_refinement
+    from collab_convert.decompose.shared_key_refinement import refine_shared_key
+
+    sizes, results = [], []
+    each_problem = StackedSequences.each_problem
+
+    def recorded_size(self, size=8):
+        sizes.append(size)
+        return each_problem(self, size)
+
+    monkeypatch.setattr(StackedSequences, "each_problem", recorded_size)
+    for room in (shared_key_refinement.CHECK_BYTES, 1):  # 8 sequences a problem, then one
+        samples, setting, factors = sequences_and_setting(seed=7)
+        more, _, _ = sequences_and_setting(seed=8)
+        samples = recorded(samples + more + sequences_and_setting(seed=9)[0] + sequences_and_setting(seed=10)[0],
+                           setting)  # 24: two held out, scored together or one at a time
+        monkeypatch.setattr(shared_key_refinement, "CHECK_BYTES", room)
+        sizes.clear()
+        results.append(refine_shared_key(samples, factors, GEOMETRY, setting, steps=6, consume=True))
+        assert sizes[0] == (8 if room > 1 else 1)  # the checks' problems, made first
+    wide, narrow = results
+    assert narrow.loss_before == pytest.approx(wide.loss_before, rel=1e-5)
+    assert narrow.kl_before == pytest.approx(wide.kl_before, rel=1e-5)
+    assert narrow.loss_after == pytest.approx(wide.loss_after, rel=1e-4) and narrow.steps == wide.steps
 
 
 def test_consumed_float32_factors_are_refined_in_their_own_tensors_to_the_same_result():
