@@ -113,9 +113,9 @@ def adam_with_held_out_groups(groups: list[list[torch.Tensor]], minibatch_loss, 
     # steps pile their working set on it (each layer's refinement rose 15-20 MB less: a 12-layer GPT-2-medium-shaped
     # checkpoint, shared key at rank 768). The setup itself runs beside it: its large one-time tensors then come
     # from their own mappings and go back when freed; in the reused heap the float16 samples freed as the float32
-    # stack grew left holes no later request fitted (the same checkpoint's refining stage 190-224 MB above the
-    # imports, 176-184 MB so). Bounding the heap's growth between steps as well (cpu.BoundedHeap, 16 or 32 MB)
-    # made that refinement 40% slower for no lower peak.
+    # stack grew left holes no later request fitted (a probe of the same checkpoint's shared key at rank 512: its
+    # stacking 181-224 MB above the imports, 176-184 MB so). Bounding the heap's growth between steps as well
+    # (cpu.BoundedHeap, 16 or 32 MB) made that refinement 40% slower for no lower peak.
     with reused_heap(top=HEAP_TRIM_THRESHOLD):
         _steps(groups, states, optimizer, rates, average, minibatch_loss, held_out_losses, steps, check_every,
                patience, warmup, on_check)

