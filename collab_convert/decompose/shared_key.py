@@ -145,10 +145,14 @@ def weighted_subspace(moment: torch.Tensor, weight_root: torch.Tensor, rank: int
     return WeightedSubspace(vectors.conj().T @ weight_root, inverse_root @ vectors, values)
 
 
+def _floor(diagonal: torch.Tensor) -> torch.Tensor:
+    """What a weight with this diagonal gets added on every direction: a millionth of its mean diagonal entry."""
+    return 1e-6 * diagonal.real.mean().clamp_min(1e-30)
+
+
 def _regularised(weight: torch.Tensor) -> torch.Tensor:
     """A weight with no zero direction (a silent head must not make the map singular)."""
-    floor = 1e-6 * (weight.diagonal().real.mean().clamp_min(1e-30))
-    return weight + floor * torch.eye(weight.shape[0], dtype=weight.dtype)
+    return weight + _floor(weight.diagonal()) * torch.eye(weight.shape[0], dtype=weight.dtype)
 
 
 def _matrix_root(matrix: torch.Tensor) -> torch.Tensor:
@@ -161,7 +165,7 @@ def _block_roots(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     floor a share of the mean over every block's diagonal): block by block, with no (G p)^2 pseudo-inverse. At a
     GPT-2-medium width (G p = 1024, float64, rank 512) the pass-through fit then peaked 75 MB above its start, not
     106 MB, in a third of the time."""
-    floor = 1e-6 * blocks.diagonal(dim1=-2, dim2=-1).mean().clamp_min(1e-30)
+    floor = _floor(blocks.diagonal(dim1=-2, dim2=-1))  # the whole weight's, as _regularised's
     regularised = (blocks + blocks.transpose(-1, -2)) / 2 + floor * torch.eye(blocks.shape[-1], dtype=blocks.dtype)
     values, vectors = torch.linalg.eigh(regularised)  # every value at least the floor: W is invertible
     root = (vectors * values.clamp_min(0).sqrt()[:, None, :]) @ vectors.transpose(-1, -2)

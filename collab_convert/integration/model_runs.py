@@ -134,11 +134,11 @@ def pass_batch_tokens(folder: Path, run: CalibrationRun) -> int:
 def pass_share(folder: Path, device, in_pass=None) -> float:
     """The bytes of a number as `folder` stores it over those of a number in a pass on `device` (devices.pass_dtype,
     or `in_pass` where the caller runs another dtype), at most 1: what a batch's tokens are scaled by, so that its
-    activations keep the same share of the checkpoint whatever precision the pass runs in. A bfloat16 checkpoint run in float32 (a CPU without bfloat16 products)
-    holds its block's weights and every activation at twice the bytes: with the tokens of a bfloat16 pass, a
-    12-layer GPT-2-medium-shaped checkpoint's calibration peaked at 263 MB above the imports, 64.5% of it; with
-    half of them (calibration and held-out batches alike) at 193 MB, 47.3%, and the 24-layer one's at 217 MB, 30.5%
-    (300 MB before; 2 cores with AVX2 only)."""
+    activations keep the same share of the checkpoint whatever precision the pass runs in. A bfloat16 checkpoint
+    run in float32 (a CPU without bfloat16 products) holds its block's weights and every activation at twice the
+    bytes: with the tokens of a bfloat16 pass, a 12-layer GPT-2-medium-shaped checkpoint's calibration peaked at
+    263 MB above the imports, 64.5% of it; with half of them (calibration and held-out batches alike) at 193 MB,
+    47.3%, and the 24-layer one's at 217 MB, 30.5% (300 MB before; 2 cores with AVX2 only)."""
     from ..devices import pass_dtype
     from ..io.folders import stored_float_type
     from ..io.headers import DTYPES_BY_NAME
