@@ -20,13 +20,14 @@ def analyze(model: str, options: AnalyzeOptions | None = None, progress: Progres
     measured on held-out lines; with a target cosine, the smallest rank that reaches it. Called as compress is:
     analyze(MODEL, AnalyzeOptions(...)); `ranks` alone is a shorthand for AnalyzeOptions(ranks=ranks)."""
     from .cpu import math_threads
+    from .threads import governed
 
     options = options or AnalyzeOptions(ranks=ranks)
     check_device(options.device)
     # as compress: the cores idle when the run starts, not torch's default (on a busy machine two threads that
     # wait on each other made one 384 x 384 SVD take 18 s instead of 0.2 s)
-    with math_threads(options.threads):
-        return _analyze(model, options, progress)
+    with math_threads(options.threads) as (threads, why):
+        return _analyze(model, options, governed(progress, {"threads": threads, "why": why}))
 
 
 def _analyze(model: str, options: AnalyzeOptions, progress: Progress) -> AnalysisResult:

@@ -50,14 +50,16 @@ def _check(source: SourceModel, options: CompressOptions) -> tuple[CompressPlan,
 def compress(model: str, options: CompressOptions, progress: Progress = no_progress) -> CompressResult:
     """Re-parametrize every attention layer into the form asked for and write a complete checkpoint."""
     from .cpu import huge_pages_on, kernel_huge_pages, math_threads, return_freed_memory
+    from .threads import governed
 
     _refuse_early(model, options)
     from .integration import loading  # noqa: F401 - transformers' lazy imports land here, before the clock starts
 
     return_freed_memory()
     with math_threads(options.threads) as (threads, why):
-        return _compress(model, options, progress, {"threads": threads, "why": why, "huge_pages": huge_pages_on(),
-                                                    "huge_pages_kernel": kernel_huge_pages()})
+        record = {"threads": threads, "why": why, "huge_pages": huge_pages_on(),
+                  "huge_pages_kernel": kernel_huge_pages()}  # report.json's threads: the governor adds what changed
+        return _compress(model, options, governed(progress, record), record)
 
 
 def _refuse_early(model: str, options: CompressOptions) -> None:
@@ -128,7 +130,7 @@ def _stages(source: SourceModel, form: Form, form_plan: FormPlan, options: Compr
                                                  form.tuned_tensors(source, reports))
     if held_out is not None and estimator is not None:  # calibration lends lines to measure the result on
         progress("measuring fidelity", 0, 1)
-        result.fidelity = estimator.measured(staged.folder)
+        result.fidelity = estimator.measured(staged.folder, progress)
         result.failures = gate_failures(result.fidelity, options.thresholds)
         if held_out.seen_by_the_fit:
             result.warnings.append(f"fidelity was measured on {held_out.description}: it overstates what unseen "

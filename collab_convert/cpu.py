@@ -1,12 +1,10 @@
 """How many CPU threads the math should use: the cores that are idle now, not every core there is.
 
-On a shared machine a second job already holds some cores. torch's default (one thread per core) then
-oversubscribes them, and its parallel regions wait on threads the scheduler has parked: measured on 2 cores
-with one busy neighbour, a calibrated compress of all-MiniLM-L6-v2 took 134 s with 2 threads and 72 s with 1.
-So a job counts the idle cores over a short window (/proc/stat, Linux) and uses that many, at least one and at
-most torch's own default; an explicit --threads wins.
+On a shared machine a second job already holds some cores; torch's default (one thread per core) then
+oversubscribes them, and its parallel regions wait on parked threads (2 cores, one busy neighbour: a calibrated
+all-MiniLM-L6-v2 compress took 134 s on 2 threads, 72 s on 1). So a job uses the cores idle over a short window
+(/proc/stat, Linux), at least one and at most torch's default (threads.py follows them through a run); --threads wins.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -19,6 +17,7 @@ import time
 WINDOW = 0.2  # seconds of /proc/stat to judge the idle cores by
 REUSE = 30.0  # seconds one measurement serves later jobs in the same process (a loop of compress calls)
 _measured: tuple[float, float | None] | None = None  # (when, idle cores)
+_ceiling: int | None = None  # set by math_threads: adaptive_ceiling
 
 
 def _cpu_ticks() -> tuple[int, int] | None:
@@ -146,14 +145,22 @@ def math_threads(requested: int | None):
     (threads, why). oneDNN's kernel cache is bounded first (bound_primitive_cache)."""
     import torch
 
+    global _ceiling  # where no count is asked for, a long job may follow the idle cores (threads.governed)
     bound_primitive_cache()
     default = torch.get_num_threads()
     threads, why = choose_threads(requested, default)
     torch.set_num_threads(threads)
+    outer, _ceiling = _ceiling, None if requested is not None else default
     try:
         yield threads, why
     finally:
         torch.set_num_threads(default)
+        _ceiling = outer
+
+
+def adaptive_ceiling() -> int | None:
+    """Inside math_threads with no count asked for: the most threads threads.governed may set; else None."""
+    return _ceiling
 
 
 class NeighbourGauge:

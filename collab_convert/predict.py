@@ -116,10 +116,11 @@ class FidelityEstimator:
             model, self.tokenizer, self.probe.texts, batch_size=self.batch_size,
             max_length=self.options.calibration_max_length, device=self.options.device))
 
-    def measured(self, folder: Path) -> dict:
+    def measured(self, folder: Path, progress=None) -> dict:
         """Fidelity of a finished checkpoint, for its report and card: cosines, the held-out texts it serves
         worst, and for language models the next-token top-1 agreement and KL (one pass of each model gives both:
-        integration/fidelity.compare_language_models)."""
+        integration/fidelity.compare_language_models, which reports its blocks and texts to `progress`: SmolLM2's
+        check is 20 s)."""
         from .integration.fidelity import compare_language_models, is_language_model, worst_texts
         from .integration.model_runs import pass_share
 
@@ -130,7 +131,7 @@ class FidelityEstimator:
             device = self.options.device
             found = compare_language_models(
                 self._loaded(folder, AutoModelForCausalLM), self._loaded(self.source.folder, AutoModelForCausalLM),
-                self.tokenizer, self.probe.texts, self.options.calibration_max_length, device=device,
+                self.tokenizer, self.probe.texts, self.options.calibration_max_length, progress, device=device,
                 prefixes=[layer.prefix for layer in self.source.layers], kept=self.kept,
                 share=pass_share(self.source.folder, device))
             stats, next_tokens = found.cosine, {"top1_agreement": found.top1_agreement, "kl_mean": found.kl_mean}

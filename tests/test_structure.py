@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "collab_convert"
 # Lower numbers sit lower. A module may import its own subpackage and anything strictly lower.
 LAYERS = {
     "errors": 0, "version": 0, "progress": 0, "cpu": 0, "devices": 0, "interrupts": 0,
-    "io": 1, "decompose": 1,
+    "io": 1, "decompose": 1, "threads": 1,
     "format": 2, "options": 2, "results": 2,
     "modeling": 3,
     "architectures": 4,

@@ -34,6 +34,15 @@ def write_reports(result: "CompressResult", form, folder: Path) -> list[str]:
     return ["report.json", "report.md"]
 
 
+def _recounted(threads: dict) -> str:
+    """The time line's note where the threads followed the idle cores during the run (threads.ThreadGovernor)."""
+    if not threads.get("changes"):
+        return ""
+    used = threads["counts_used"]
+    return (f", then {used[0]} to {used[-1]} as other jobs came and went ({threads['changes']} "
+            f"change{'s' if threads['changes'] > 1 else ''})")
+
+
 def _huge_pages(threads: dict) -> str:
     """The time line's note on torch's huge pages, where its allocator took the setting (cpu.huge_pages_on)."""
     if not threads.get("huge_pages"):
@@ -53,7 +62,8 @@ def markdown_report(result: "CompressResult", form) -> str:
         *summary_lines(result, form),
         f"- {_how(result)} (collab-convert {result.tool_version}); family: {result.family}",
         f"- time: {result.seconds:.1f} s" + _stages(result.stage_seconds)
-        + (f"; CPU threads: {result.threads['threads']} ({result.threads['why']})" if result.threads else "")
+        + (f"; CPU threads: {result.threads['threads']} ({result.threads['why']}){_recounted(result.threads)}"
+           if result.threads else "")
         + _huge_pages(result.threads or {}),
     ]
     if result.calibration:
