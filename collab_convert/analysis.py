@@ -19,8 +19,7 @@ def analyze(model: str, options: AnalyzeOptions | None = None, progress: Progres
     error a fit at each gives. In the CP form, with calibration text, the logit error and the embedding cosine
     measured on held-out lines; with a target cosine, the smallest rank that reaches it. Called as compress is:
     analyze(MODEL, AnalyzeOptions(...)); `ranks` alone is a shorthand for AnalyzeOptions(ranks=ranks)."""
-    from .cpu import math_threads
-    from .threads import governed
+    from .threads import governed, math_threads
 
     options = options or AnalyzeOptions(ranks=ranks)
     check_device(options.device)

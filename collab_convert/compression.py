@@ -49,8 +49,8 @@ def _check(source: SourceModel, options: CompressOptions) -> tuple[CompressPlan,
 
 def compress(model: str, options: CompressOptions, progress: Progress = no_progress) -> CompressResult:
     """Re-parametrize every attention layer into the form asked for and write a complete checkpoint."""
-    from .cpu import huge_pages_on, kernel_huge_pages, math_threads, return_freed_memory
-    from .threads import governed
+    from .cpu import huge_pages_on, kernel_huge_pages, return_freed_memory
+    from .threads import governed, math_threads
 
     _refuse_early(model, options)
     from .integration import loading  # noqa: F401 - transformers' lazy imports land here, before the clock starts

@@ -3,8 +3,9 @@
 On a shared machine a second job already holds some cores; torch's default (one thread per core) then
 oversubscribes them, and its parallel regions wait on parked threads (2 cores, one busy neighbour: a calibrated
 all-MiniLM-L6-v2 compress took 134 s on 2 threads, 72 s on 1). So a job uses the cores idle over a short window
-(/proc/stat, Linux), at least one and at most torch's default (threads.py follows them through a run); --threads wins.
+(/proc/stat, Linux), at least one and at most torch's default (threads.py: through a run); --threads wins.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +18,6 @@ import time
 WINDOW = 0.2  # seconds of /proc/stat to judge the idle cores by
 REUSE = 30.0  # seconds one measurement serves later jobs in the same process (a loop of compress calls)
 _measured: tuple[float, float | None] | None = None  # (when, idle cores)
-_ceiling: int | None = None  # set by math_threads: adaptive_ceiling
 
 
 def _cpu_ticks() -> tuple[int, int] | None:
@@ -53,9 +53,12 @@ def choose_threads(requested: int | None, default: int) -> tuple[int, str]:
     idle = _measured[1]
     if idle is None:
         return default, "torch's default (idle cores unknown here)"
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else default
-    threads = max(1, min(default, allowed, round(idle)))
-    return threads, f"{idle:.1f} idle cores of {os.cpu_count()}"
+    return max(1, min(most_threads(default), round(idle))), f"{idle:.1f} idle cores of {os.cpu_count()}"
+
+
+def most_threads(default: int) -> int:
+    """torch's default count, within the cores this process may run on (its affinity, where the system says)."""
+    return min(default, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else default
 
 
 # Kernels oneDNN keeps for the product shapes it met last. Its default keeps 1,024, and what they hold stays for the
@@ -137,30 +140,6 @@ def kernel_huge_pages(path: str = KERNEL_HUGE_PAGES) -> str | None:
     except (OSError, ValueError):
         return None
     return chosen[0].strip("[]") if chosen else None
-
-
-@contextlib.contextmanager
-def math_threads(requested: int | None):
-    """Run the block with the chosen number of torch threads; torch's setting is restored afterwards. Yields
-    (threads, why). oneDNN's kernel cache is bounded first (bound_primitive_cache)."""
-    import torch
-
-    global _ceiling  # where no count is asked for, a long job may follow the idle cores (threads.governed)
-    bound_primitive_cache()
-    default = torch.get_num_threads()
-    threads, why = choose_threads(requested, default)
-    torch.set_num_threads(threads)
-    outer, _ceiling = _ceiling, None if requested is not None else default
-    try:
-        yield threads, why
-    finally:
-        torch.set_num_threads(default)
-        _ceiling = outer
-
-
-def adaptive_ceiling() -> int | None:
-    """Inside math_threads with no count asked for: the most threads threads.governed may set; else None."""
-    return _ceiling
 
 
 class NeighbourGauge:

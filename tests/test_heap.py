@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from collab_convert import cpu
+from collab_convert.threads import math_threads
 
 from fixtures.libc import RecordingLibc
 
@@ -127,7 +128,7 @@ def test_onednn_keeps_a_bounded_number_of_kernels_unless_the_environment_says_ot
     assert cpu.bound_primitive_cache()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == cpu.PRIMITIVE_CACHE
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
-    with cpu.math_threads(1):  # what compress and analyze run their math in sets it too
+    with math_threads(1):  # what compress and analyze run their math in sets it too
         assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == cpu.PRIMITIVE_CACHE
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"):
         monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)

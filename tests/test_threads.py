@@ -9,7 +9,7 @@ import torch
 
 from collab_convert import cpu
 from collab_convert.report.reports import _recounted
-from collab_convert.threads import ThreadGovernor, governed
+from collab_convert.threads import ThreadGovernor, governed, math_threads
 
 
 class Neighbour:
@@ -85,6 +85,6 @@ def test_progress_is_left_alone_where_a_count_was_asked_for():
     def progress(what, done, total):
         pass
 
-    with cpu.math_threads(1) as (threads, why):
+    with math_threads(1) as (threads, why):
         assert governed(progress, {"threads": threads, "why": why}) is progress
     assert governed(progress, {"threads": 1}) is progress  # outside a run: nothing to follow
