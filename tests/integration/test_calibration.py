@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from collab_convert import CompressOptions, compress, load_model
 from collab_convert.cli import app, main
 from collab_convert.decompose.als import fit_collaborative
-from collab_convert.decompose.calibrated import InputMetric, fit_calibrated
+from collab_convert.decompose.calibrated import WHITENING_POWER, InputMetric, fit_calibrated
 from collab_convert.decompose.products import HeadProducts, content_bias
 from collab_convert.decompose.refinement import refine_attention
 
@@ -48,9 +48,9 @@ def test_calibrated_fit_beats_weight_only_on_the_logits_of_real_inputs():
     )
 
 
-def test_a_calibrated_fit_carries_its_factors_back_through_the_head_rows_as_the_inverse_root_would():
+def test_a_calibrated_fit_carries_its_factors_back_through_the_head_rows_as_the_inverse_whitening_would():
     # the ALS's factors are combinations of the whitened heads' rows; the same combinations of the raw rows must be
-    # C^(-1/2) times them (with the heads weighed too), so no inverse square root is held through the fit
+    # C^(-p/2) times them (with the heads weighed too), so no inverse is held through the fit
     g = torch.Generator().manual_seed(6)
     products = HeadProducts.from_projections(torch.randn(24, 24, generator=g), torch.randn(24, 24, generator=g), 4)
     x, y = anisotropic_inputs(seed=7), anisotropic_inputs(seed=8)
@@ -66,14 +66,50 @@ def test_a_calibrated_fit_carries_its_factors_back_through_the_head_rows_as_the_
         return (vectors * values.pow(exponent)) @ vectors.T
 
     scale = weights.sqrt()[:, None, None]
-    whitened = HeadProducts(products.query_heads @ power(metric(x).covariance, 0.5) * scale,
-                            products.key_heads @ power(metric(y).covariance, 0.5))
+    half = WHITENING_POWER / 2  # the fit's tempered metric; its scale to the root's trace changes no product
+    whitened = HeadProducts(products.query_heads @ power(metric(x).covariance, half) * scale,
+                            products.key_heads @ power(metric(y).covariance, half))
     reference = fit_collaborative(whitened, 6)
-    expected = torch.einsum("ar,hr,br->hab", power(metric(x).covariance, -0.5) @ reference.factors.shared_query,
-                            reference.factors.mixing / scale[:, :, 0], power(metric(y).covariance, -0.5)
+    expected = torch.einsum("ar,hr,br->hab", power(metric(x).covariance, -half) @ reference.factors.shared_query,
+                            reference.factors.mixing / scale[:, :, 0], power(metric(y).covariance, -half)
                             @ reference.factors.shared_key)
     # to the float32 ALS's precision: the old path multiplied its float32 rows out before the inverse
     assert float((fit.factors.dense() - expected).abs().max()) < 1e-5 * float(expected.abs().max())
+
+
+def test_a_calibrated_fit_reports_the_logit_error_not_its_tempered_metrics():
+    # the fit whitens with a tempered power of the covariances; what it reports is still the share of the logit
+    # energy on the calibration inputs it loses, the heads weighed as fitted
+    g = torch.Generator().manual_seed(9)
+    products = HeadProducts.from_projections(torch.randn(24, 24, generator=g), torch.randn(24, 24, generator=g), 4)
+    x, y = anisotropic_inputs(seed=10), anisotropic_inputs(seed=11)
+    weights = torch.tensor([2.0, 0.5, 1.0, 0.5], dtype=torch.float64)
+    fit, _ = fit_calibrated(products, 6, metric(x), metric(y), weights=weights)
+
+    def root(covariance):  # the ridged square root
+        c = covariance + 1e-3 * covariance.diagonal().mean() * torch.eye(24, dtype=torch.float64)
+        values, vectors = torch.linalg.eigh(c)
+        return (vectors * values.sqrt()) @ vectors.T
+
+    left, right = root(metric(x).covariance), root(metric(y).covariance)
+    lost = (left @ (products.dense() - fit.factors.dense()) @ right).pow(2).sum((1, 2))
+    energy = (left @ products.dense() @ right).pow(2).sum((1, 2))
+    expected = float(((weights * lost).sum() / (weights * energy).sum()).sqrt())
+    assert fit.relative_error == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_tempered_whitening_keeps_the_roots_scale_and_inverts_exactly():
+    from collab_convert.decompose.calibrated import _SideMetric
+
+    covariance = metric(anisotropic_inputs(seed=12)).covariance
+    side = _SideMetric(covariance, 1e-3, power=0.75)
+    assert float(side.whitening().trace()) == pytest.approx(float(side.root().trace()), rel=1e-12)
+    assert torch.allclose(side.whitening() @ side.whitening(inverse=True), torch.eye(24, dtype=torch.float64),
+                          atol=1e-9)
+    # flatter than the root: its condition number is the root's to the power 0.75
+    condition = lambda m: float(torch.linalg.cond(m))  # noqa: E731
+    assert condition(side.whitening()) == pytest.approx(condition(side.root()) ** 0.75, rel=1e-6)
+    assert torch.allclose(_SideMetric(covariance, 1e-3, power=1.0).whitening(), side.root())
 
 
 def test_calibrated_full_rank_stays_exact():
