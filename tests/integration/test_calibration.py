@@ -48,31 +48,40 @@ def test_calibrated_fit_beats_weight_only_on_the_logits_of_real_inputs():
     )
 
 
+HEAD_WEIGHTS = torch.tensor([2.0, 0.5, 1.0, 0.5], dtype=torch.float64)
+
+
+def weighted_fit(seed):
+    """(products, query inputs, key inputs, the calibrated rank-6 fit with the heads weighed) of 4 random heads."""
+    g = torch.Generator().manual_seed(seed)
+    products = HeadProducts.from_projections(torch.randn(24, 24, generator=g), torch.randn(24, 24, generator=g), 4)
+    x, y = anisotropic_inputs(seed=seed + 1), anisotropic_inputs(seed=seed + 2)
+    fit, _ = fit_calibrated(products, 6, metric(x), metric(y), weights=HEAD_WEIGHTS)
+    return products, x, y, fit
+
+
+def ridged_power(covariance, exponent):
+    """The ridged covariance to a power, as the fit takes it."""
+    c = covariance + 1e-3 * covariance.diagonal().mean() * torch.eye(len(covariance), dtype=torch.float64)
+    values, vectors = torch.linalg.eigh(c)
+    return (vectors * values.pow(exponent)) @ vectors.T
+
+
 def test_a_calibrated_fit_carries_its_factors_back_through_the_head_rows_as_the_inverse_whitening_would():
     # the ALS's factors are combinations of the whitened heads' rows; the same combinations of the raw rows must be
     # C^(-p/2) times them (with the heads weighed too), so no inverse is held through the fit
-    g = torch.Generator().manual_seed(6)
-    products = HeadProducts.from_projections(torch.randn(24, 24, generator=g), torch.randn(24, 24, generator=g), 4)
-    x, y = anisotropic_inputs(seed=7), anisotropic_inputs(seed=8)
-    weights = torch.tensor([2.0, 0.5, 1.0, 0.5], dtype=torch.float64)
-    fit, _ = fit_calibrated(products, 6, metric(x), metric(y), weights=weights)
+    products, x, y, fit = weighted_fit(6)
     # the ALS ran (so the rows carried the factors back), and its row weights, which combine the whitened rows,
     # are not handed on beside factors they no longer give
     assert fit.iterations > 0 and fit.row_weights is None
-
-    def power(covariance, exponent):  # the ridged matrix power, as the fit takes it
-        c = covariance + 1e-3 * covariance.diagonal().mean() * torch.eye(24, dtype=torch.float64)
-        values, vectors = torch.linalg.eigh(c)
-        return (vectors * values.pow(exponent)) @ vectors.T
-
-    scale = weights.sqrt()[:, None, None]
+    scale = HEAD_WEIGHTS.sqrt()[:, None, None]
     half = WHITENING_POWER / 2  # the fit's tempered metric; its scale to the root's trace changes no product
-    whitened = HeadProducts(products.query_heads @ power(metric(x).covariance, half) * scale,
-                            products.key_heads @ power(metric(y).covariance, half))
+    whitened = HeadProducts(products.query_heads @ ridged_power(metric(x).covariance, half) * scale,
+                            products.key_heads @ ridged_power(metric(y).covariance, half))
     reference = fit_collaborative(whitened, 6)
-    expected = torch.einsum("ar,hr,br->hab", power(metric(x).covariance, -half) @ reference.factors.shared_query,
-                            reference.factors.mixing / scale[:, :, 0], power(metric(y).covariance, -half)
-                            @ reference.factors.shared_key)
+    expected = torch.einsum("ar,hr,br->hab", ridged_power(metric(x).covariance, -half)
+                            @ reference.factors.shared_query, reference.factors.mixing / scale[:, :, 0],
+                            ridged_power(metric(y).covariance, -half) @ reference.factors.shared_key)
     # to the float32 ALS's precision: the old path multiplied its float32 rows out before the inverse
     assert float((fit.factors.dense() - expected).abs().max()) < 1e-5 * float(expected.abs().max())
 
@@ -80,21 +89,11 @@ def test_a_calibrated_fit_carries_its_factors_back_through_the_head_rows_as_the_
 def test_a_calibrated_fit_reports_the_logit_error_not_its_tempered_metrics():
     # the fit whitens with a tempered power of the covariances; what it reports is still the share of the logit
     # energy on the calibration inputs it loses, the heads weighed as fitted
-    g = torch.Generator().manual_seed(9)
-    products = HeadProducts.from_projections(torch.randn(24, 24, generator=g), torch.randn(24, 24, generator=g), 4)
-    x, y = anisotropic_inputs(seed=10), anisotropic_inputs(seed=11)
-    weights = torch.tensor([2.0, 0.5, 1.0, 0.5], dtype=torch.float64)
-    fit, _ = fit_calibrated(products, 6, metric(x), metric(y), weights=weights)
-
-    def root(covariance):  # the ridged square root
-        c = covariance + 1e-3 * covariance.diagonal().mean() * torch.eye(24, dtype=torch.float64)
-        values, vectors = torch.linalg.eigh(c)
-        return (vectors * values.sqrt()) @ vectors.T
-
-    left, right = root(metric(x).covariance), root(metric(y).covariance)
+    products, x, y, fit = weighted_fit(9)
+    left, right = ridged_power(metric(x).covariance, 0.5), ridged_power(metric(y).covariance, 0.5)
     lost = (left @ (products.dense() - fit.factors.dense()) @ right).pow(2).sum((1, 2))
     energy = (left @ products.dense() @ right).pow(2).sum((1, 2))
-    expected = float(((weights * lost).sum() / (weights * energy).sum()).sqrt())
+    expected = float(((HEAD_WEIGHTS * lost).sum() / (HEAD_WEIGHTS * energy).sum()).sqrt())
     assert fit.relative_error == pytest.approx(expected, rel=1e-6)
 
 
