@@ -61,8 +61,8 @@ def whiten(products: HeadProducts, query_metric: InputMetric, key_metric: InputM
                         products.key_heads @ _SideMetric(key_metric.covariance, ridge).root())
 
 
-def _unwhitened(fit: FitResult, products: HeadProducts, scale: torch.Tensor | None, query_side: _SideMetric,
-                key_side: _SideMetric) -> tuple[torch.Tensor, torch.Tensor]:
+def _unwhitened(fit: FitResult, products: HeadProducts, scale: torch.Tensor | None, query_metric: InputMetric,
+                key_metric: InputMetric, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The fit's shared query and key in the raw inputs' basis. The ALS's factors are combinations of the whitened
     heads' rows (W_Q^(i) times the query side's whitening, scaled by sqrt(w_i)), so the same combinations of the raw
     rows, scaled alike, are the whitening's inverse times them: no inverses held through the fit (two D_in x D_in
@@ -73,15 +73,18 @@ def _unwhitened(fit: FitResult, products: HeadProducts, scale: torch.Tensor | No
         query_weights, key_weights = fit.row_weights
         return (query_heads.reshape(-1, query_heads.shape[2]).T @ query_weights,
                 products.key_heads.reshape(-1, products.key_heads.shape[2]).T @ key_weights)
-    return (query_side.whitening(inverse=True) @ fit.factors.shared_query,
-            key_side.whitening(inverse=True) @ fit.factors.shared_key)
+    return (_SideMetric(query_metric.covariance, ridge).whitening(inverse=True) @ fit.factors.shared_query,
+            _SideMetric(key_metric.covariance, ridge).whitening(inverse=True) @ fit.factors.shared_key)
 
 
 def _logit_error(products: HeadProducts, factors: CollaborativeFactors, scale: torch.Tensor | None,
-                 query_side: _SideMetric, key_side: _SideMetric) -> float:
+                 query_metric: InputMetric, key_metric: InputMetric, ridge: float) -> float:
     """The share of the logit energy on the calibration inputs that the factors lose, the heads weighed as fitted:
-    the error in the metric C^(1/2) on both sides, whatever metric the fit whitened with."""
-    query_root, key_root = query_side.root(), key_side.root()
+    the error in the metric C^(1/2) on both sides, whatever metric the fit whitened with. Each side is decomposed
+    again here rather than held through the fit: two D_in x D_in float64 matrices more during the ALS had put the
+    CP form's fitting stage over the memory bound (benchmarks/memory.py, rank 768: 211 MB, 51.9%)."""
+    query_root = _SideMetric(query_metric.covariance, ridge).root()
+    key_root = _SideMetric(key_metric.covariance, ridge).root()
     query_heads, mixing = products.query_heads.to(COMPUTE_DTYPE) @ query_root, factors.mixing.to(COMPUTE_DTYPE)
     if scale is not None:
         query_heads, mixing = query_heads * scale[:, None, None], mixing * scale[:, None]
@@ -143,15 +146,17 @@ def fit_calibrated(
     `weights` (N_h,), from head_weights: head i's logit error counts weights[i] times, so the shared dimensions
     go where the layer's output would move most (its reported error is then the weighted share).
     """
-    query_side, key_side = _SideMetric(query_metric.covariance, ridge), _SideMetric(key_metric.covariance, ridge)
-    whitened = HeadProducts(products.query_heads @ query_side.whitening(), products.key_heads @ key_side.whitening())
+    # each side's decomposition is dropped once applied (not held through the ALS: memory), made again after it
+    whitened = HeadProducts(products.query_heads @ _SideMetric(query_metric.covariance, ridge).whitening(),
+                            products.key_heads @ _SideMetric(key_metric.covariance, ridge).whitening())
     scale = None if weights is None else weights.to(COMPUTE_DTYPE).sqrt()
     if scale is not None:  # sqrt(w_i) T_i fitted; its mixing row divided back below
         whitened = HeadProducts(whitened.query_heads * scale[:, None, None], whitened.key_heads)
     fit = fit_collaborative(whitened, rank, max_iterations, tolerance, device, own_products=True)
     del whitened  # the fit's own: its products, not ours to hold while the factors are carried back
     mixing = fit.factors.mixing if scale is None else fit.factors.mixing / scale[:, None].to(fit.factors.mixing.dtype)
-    factors = CollaborativeFactors(*_unwhitened(fit, products, scale, query_side, key_side), mixing).balanced()
+    factors = CollaborativeFactors(*_unwhitened(fit, products, scale, query_metric, key_metric, ridge),
+                                   mixing).balanced()
     # mu_x^T (T_i - T~_i) for every head, without forming T: (mu Q_i^T) K_i - ((mu Q~) * m_i) K~^T
     mean = query_metric.mean.to(COMPUTE_DTYPE)
     exact = torch.einsum("hdq,q,hdk->hk", products.query_heads, mean, products.key_heads)
@@ -161,6 +166,6 @@ def fit_calibrated(
     # tempered metric's). The truncation of the whitened products is no baseline for the raw ones: not reported.
     # Its row weights combine the whitened rows into the fit before it was carried back and balanced again: no
     # longer these factors'.
-    logit_error = _logit_error(products, factors, scale, query_side, key_side)
+    logit_error = _logit_error(products, factors, scale, query_metric, key_metric, ridge)
     return replace(fit, factors=factors, relative_error=logit_error, per_head_truncation_error=None,
                    row_weights=None), correction
