@@ -70,6 +70,10 @@ def fidelity_lines(result: "CompressResult", texts: bool = True) -> list[str]:
             f"{figures['cosine_mean']:.4f}, 1st percentile {figures['cosine_p01']:.4f}")
     if figures.get("top1_agreement") is not None:
         line += f"; next-token top-1 agreement {figures['top1_agreement']:.4f}, KL {figures['kl_mean']:.4f}"
+    # the held-out lines are the calibration text's own kind: across domains the figures fall (issue 34's
+    # measurements, docs/benchmarks.md), so the figure says so and where to measure the text the model will serve
+    line += (" (text like the calibration text; other text can score lower: measure yours with "
+             "`collab-convert verify OUT --texts FILE`)")
     return [line, *(worst_lines(figures.get("worst_texts")) if texts else [])]
 
 

@@ -65,6 +65,15 @@ def test_report_and_card_tell_the_same_story(tmp_path):
     assert "costs less per token than the original below about 140 tokens" in card
 
 
+def test_a_fidelity_figure_says_it_is_on_the_calibrations_kind_of_text_and_how_to_measure_other_text(tmp_path):
+    result = a_result()
+    result.fidelity = {"measured_on": "32 held-out lines of news.txt", "cosine_mean": 0.991, "cosine_p01": 0.972}
+    write_model_card(result, CP, CardSource(base_model="acme/tiny"), tmp_path)
+    for text in ((tmp_path / "README.md").read_text(), markdown_report(result, CP)):
+        assert ("1st percentile 0.9720 (text like the calibration text; other text can score lower: measure yours "
+                "with `collab-convert verify OUT --texts FILE`)") in text
+
+
 def test_the_report_names_the_held_out_texts_served_worst_and_the_published_card_quotes_none(tmp_path):
     result = a_result()
     worst = [{"cosine": 0.9312, "text": "a line the model serves worst"}, {"cosine": 0.9577, "text": "the next"}]
