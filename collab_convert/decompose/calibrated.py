@@ -54,11 +54,15 @@ class _SideMetric:
 
 
 def whiten(products: HeadProducts, query_metric: InputMetric, key_metric: InputMetric,
-           ridge: float = 1e-3) -> HeadProducts:
+           ridge: float = 1e-3, tempered: bool = False) -> HeadProducts:
     """The head products as the logits see them: (W_Q^(i) C_x^(1/2), W_K^(i) C_y^(1/2)) (the rank spread's
-    energies; the fit tempers the metric, fit_calibrated)."""
-    return HeadProducts(products.query_heads @ _SideMetric(query_metric.covariance, ridge).root(),
-                        products.key_heads @ _SideMetric(key_metric.covariance, ridge).root())
+    energies); `tempered`: as the fit sees them, each side's C^(WHITENING_POWER/2) in place of its root
+    (fit_calibrated). Each side's decomposition is dropped once applied."""
+    def side(metric: InputMetric) -> torch.Tensor:
+        found = _SideMetric(metric.covariance, ridge)
+        return found.whitening() if tempered else found.root()
+
+    return HeadProducts(products.query_heads @ side(query_metric), products.key_heads @ side(key_metric))
 
 
 def _unwhitened(fit: FitResult, products: HeadProducts, scale: torch.Tensor | None, query_metric: InputMetric,
@@ -146,9 +150,8 @@ def fit_calibrated(
     `weights` (N_h,), from head_weights: head i's logit error counts weights[i] times, so the shared dimensions
     go where the layer's output would move most (its reported error is then the weighted share).
     """
-    # each side's decomposition is dropped once applied (not held through the ALS: memory), made again after it
-    whitened = HeadProducts(products.query_heads @ _SideMetric(query_metric.covariance, ridge).whitening(),
-                            products.key_heads @ _SideMetric(key_metric.covariance, ridge).whitening())
+    # each side's decomposition is not held through the ALS (memory): made again after it
+    whitened = whiten(products, query_metric, key_metric, ridge, tempered=True)
     scale = None if weights is None else weights.to(COMPUTE_DTYPE).sqrt()
     if scale is not None:  # sqrt(w_i) T_i fitted; its mixing row divided back below
         whitened = HeadProducts(whitened.query_heads * scale[:, None, None], whitened.key_heads)
