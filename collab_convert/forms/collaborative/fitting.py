@@ -11,6 +11,7 @@ from typing import Any
 
 from ...architectures.layouts import AttentionLayer, Projections
 from ...architectures.source import SourceModel
+from ...cpu import return_freed_heap
 from ...decompose.costs import collaborative_cost, original_cost
 from ...decompose.methods import FitRequest, LayerFit, method_named
 from ...decompose.products import content_bias, relative_error
@@ -95,6 +96,7 @@ def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[
     fits = SpillFolder(metrics.folder.parent / "fits") if isinstance(metrics, SpillFolder) else {}
     losses = []
     for layer in source.shard_by_shard():  # else each fit's pages stay resident until writing begins
+        return_freed_heap()  # the last layer's freed small blocks, before this one's fit piles its own on them
         # straight into `fits` (on disk where they spill): no variable here holds a layer's fit past its turn
         fits[layer.prefix], loss = _fit_scored(source, layer, options, ranks[layer.prefix], metrics[layer.prefix],
                                                progress, labels)
