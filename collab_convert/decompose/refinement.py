@@ -30,10 +30,8 @@ BATCH_SEQUENCES, QUERY_ROWS = 4, 64
 # sees: in one batch of 25 its float32 temporaries (16 MB each) outgrew the reused heap's top and were faulted in
 # page by page at every check, 55 ms a check on MiniLM, a quarter of the refining stage.
 HELD_OUT_ROWS, CHECK_SEQUENCES = 64, BATCH_SEQUENCES
-# The attention-weighted key metric's batches, made and dropped one at a time (only one is held). At 16 sequences a
-# batch the batch's float32 temporaries set the CP form's fitting peak on a Xeon (a 12-layer GPT-2-medium shape at
-# rank 768, 32 calibration documents: 201 MB above the imports, 49% of the checkpoint; 181 MB at 4), and 16 ran no
-# faster than 4 (0.4-0.55 s a MiniLM layer either way)
+# The attention-weighted key metric's batches, one held at a time: 4 sequences (16 ran no faster, and their float32
+# temporaries set the CP fitting peak: 201 MB at 16, 181 at 4; GPT-2-medium shape, rank 768, Xeon)
 METRIC_SEQUENCES = 4
 
 
