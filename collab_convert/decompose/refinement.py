@@ -30,8 +30,8 @@ BATCH_SEQUENCES, QUERY_ROWS = 4, 64
 # sees: in one batch of 25 its float32 temporaries (16 MB each) outgrew the reused heap's top and were faulted in
 # page by page at every check, 55 ms a check on MiniLM, a quarter of the refining stage.
 HELD_OUT_ROWS, CHECK_SEQUENCES = 64, BATCH_SEQUENCES
-# The attention-weighted key metric's batches, one held at a time: 4 sequences (16 ran no faster, and their float32
-# temporaries set the CP fitting peak: 201 MB at 16, 181 at 4; GPT-2-medium shape, rank 768, Xeon)
+# The attention-weighted key metric's batches, one held at a time: 4 sequences (16 ran no faster, and held 70-86 MB
+# of float32 temporaries at GPT-2-medium's width: the CP fitting stage's peak on a Xeon, docs/benchmarks.md)
 METRIC_SEQUENCES = 4
 
 
