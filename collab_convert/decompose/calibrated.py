@@ -28,16 +28,22 @@ class InputMetric:
 WHITENING_POWER = 0.75
 
 
+def _ridge(covariance: torch.Tensor, ridge: float) -> float:
+    """The shift added to one side's covariance, ridge * mean(diag C): it keeps directions the inputs never took
+    alive. One definition for the metric's roots (_SideMetric) and for the logit error's products (_metric_times)."""
+    return ridge * float(covariance.diagonal().mean().clamp_min(1e-12))
+
+
 class _SideMetric:
-    """One side's ridged input covariance C + ridge * mean(diag C) * I (the ridge keeps unseen directions alive),
-    decomposed once: `root()` is C^(1/2), the logits' own metric; `whitening()` is the fit's C^(power/2), scaled to
-    the root's trace so that sides and layers keep their balance (at power 1 it is the root)."""
+    """One side's ridged input covariance C + _ridge(C) * I, decomposed once: `root()` is C^(1/2), the logits' own
+    metric; `whitening()` is the fit's C^(power/2), scaled to the root's trace so that sides and layers keep their
+    balance (at power 1 it is the root)."""
 
     def __init__(self, covariance: torch.Tensor, ridge: float, power: float = WHITENING_POWER):
         c = covariance.to(COMPUTE_DTYPE)
         c = 0.5 * (c + c.T)
         size = c.shape[0]
-        shift = ridge * float(c.diagonal().mean().clamp_min(1e-12))
+        shift = _ridge(c, ridge)
         values, self.vectors = torch.linalg.eigh(c + shift * torch.eye(size, dtype=c.dtype))
         values = values.clamp_min(shift)
         self.root_values = values.sqrt()
@@ -86,7 +92,7 @@ def _metric_times(metric: InputMetric, ridge: float, factor: torch.Tensor) -> to
     """C @ factor for one side's ridged covariance C (the square of _SideMetric's root), in COMPUTE_DTYPE, with no
     D_in x D_in temporary beside the covariance itself."""
     c = metric.covariance.to(COMPUTE_DTYPE)
-    shift = ridge * float(c.diagonal().mean().clamp_min(1e-12))
+    shift = _ridge(c, ridge)
     return (c @ factor).addmm_(c.T, factor).mul_(0.5).add_(factor, alpha=shift)  # 0.5 (C + C^T) + shift I
 
 
@@ -170,7 +176,7 @@ def fit_calibrated(
     `weights` (N_h,), from head_weights: head i's logit error counts weights[i] times, so the shared dimensions
     go where the layer's output would move most (its reported error is then the weighted share).
     """
-    # each side's decomposition is not held through the ALS (memory): made again after it
+    # each side's decomposition is dropped once applied (whiten), not held through the ALS (memory)
     whitened = whiten(products, query_metric, key_metric, ridge, tempered=True)
     scale = None if weights is None else weights.to(COMPUTE_DTYPE).sqrt()
     if scale is not None:  # sqrt(w_i) T_i fitted; its mixing row divided back below
