@@ -151,3 +151,21 @@ def _steps(groups, states, optimizer, rates, average, minibatch_loss, held_out_l
             active = [index for index in active if states[index].stale < patience]
             if not active:
                 break
+
+
+def share_steps(losses: list[float], total: int, most: float = 3.0, least: int = 20) -> list[int]:
+    """Split `total` refinement steps over layers in proportion to each one's loss before refinement: the
+    steps go where the error is. No layer gets more than `most` times the even share; a layer with any loss
+    gets at least `least` (one held-out check)."""
+    if not losses:
+        return []
+    even = total / len(losses)
+    weights = [max(loss, 0.0) for loss in losses]
+    if sum(weights) <= 0:
+        return [round(even)] * len(losses)
+    shares = [min(total * w / sum(weights), most * even) for w in weights]
+    spare = total - sum(shares)  # what the cap took from the largest, spread over the rest by loss
+    room = [w if share < most * even else 0.0 for w, share in zip(weights, shares)]
+    if spare > 0 and sum(room) > 0:
+        shares = [min(share + spare * r / sum(room), most * even) for share, r in zip(shares, room)]
+    return [max(int(round(share)), least if w > 0 else 0) for share, w in zip(shares, weights)]

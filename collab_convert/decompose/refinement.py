@@ -311,6 +311,7 @@ def refine_attention(
     position_bias: torch.Tensor | None = None,
     device: Device = HOST,
     head_weights: torch.Tensor | None = None,
+    consume: bool = False,
 ) -> RefineResult:
     """Adam on the mean KL(original || collaborative) of every head's attention, stochastically: each step
     sees `batch_sequences` sequences and `query_rows` sampled query positions in each, so a step costs the same
@@ -318,11 +319,13 @@ def refine_attention(
     gain in five checks) and which parameters to keep; the start counts, so the result is never worse on it
     than the fit it started from. `on_check(step, loss)` hears each held-out check. `position_bias` (H, N, N):
     a relative position bias the layer adds to its scores, for sequences up to N long. `head_weights` (H,): each
-    head's KL weighted (AttentionTarget). The steps run on `device`; the result comes back in host memory."""
+    head's KL weighted (AttentionTarget). The steps run on `device`; the result comes back in host memory.
+    `consume`: factors already float32 on `device` become the parameters themselves (changed in place), not copied."""
     target = AttentionTarget(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal,
                              position_bias, device, head_weights)
     start = (factors.shared_query, factors.shared_key, factors.mixing, content_bias)
-    parameters = [t.to(target.device, torch.float32).clone().requires_grad_(True) for t in start]
+    parameters = [(t.to(target.device, torch.float32) if consume else t.to(target.device, torch.float32).clone())
+                  .detach().requires_grad_(True) for t in start]
     generator = torch.Generator().manual_seed(seed)
     best, initial, best_loss, taken = adam_with_held_out(
         parameters, lambda: target.minibatch_kl(parameters, generator, batch_sequences, query_rows),
@@ -330,21 +333,3 @@ def refine_attention(
     dtype = factors.shared_query.dtype
     refined = CollaborativeFactors(*(b.to(HOST, dtype) for b in best[:3]))
     return RefineResult(refined, best[3].to(HOST, content_bias.dtype), initial, best_loss, taken)
-
-
-def share_steps(losses: list[float], total: int, most: float = 3.0, least: int = 20) -> list[int]:
-    """Split `total` refinement steps over layers in proportion to each one's loss before refinement: the
-    steps go where the error is. No layer gets more than `most` times the even share; a layer with any loss
-    gets at least `least` (one held-out check)."""
-    if not losses:
-        return []
-    even = total / len(losses)
-    weights = [max(loss, 0.0) for loss in losses]
-    if sum(weights) <= 0:
-        return [round(even)] * len(losses)
-    shares = [min(total * w / sum(weights), most * even) for w in weights]
-    spare = total - sum(shares)  # what the cap took from the largest, spread over the rest by loss
-    room = [w if share < most * even else 0.0 for w, share in zip(weights, shares)]
-    if spare > 0 and sum(room) > 0:
-        shares = [min(share + spare * r / sum(room), most * even) for share, r in zip(shares, room)]
-    return [max(int(round(share)), least if w > 0 else 0) for share, w in zip(shares, weights)]

@@ -1,6 +1,6 @@
 """Refinement steps go where the error is."""
 
-from collab_convert.decompose.refinement import share_steps
+from collab_convert.decompose.held_out_adam import share_steps
 
 
 def test_steps_follow_each_layers_error():

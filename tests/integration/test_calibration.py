@@ -10,7 +10,7 @@ from collab_convert import CompressOptions, compress, load_model
 from collab_convert.cli import app, main
 from collab_convert.decompose.als import fit_collaborative
 from collab_convert.decompose.calibrated import WHITENING_POWER, InputMetric, fit_calibrated
-from collab_convert.decompose.products import HeadProducts, content_bias
+from collab_convert.decompose.products import CollaborativeFactors, HeadProducts, content_bias
 from collab_convert.decompose.refinement import refine_attention
 
 
@@ -132,6 +132,25 @@ def test_refinement_lowers_the_attention_kl():
         sequences, sequences, wq, bq, wk, start, content_bias(wk, bq, heads), heads, 0.5
     )
     assert result.kl_after < 0.8 * result.kl_before
+
+
+def test_a_consuming_refinement_steps_the_given_float32_factors_and_ends_where_a_copying_one_does():
+    # the CP form hands its fit over in float32 (consume) rather than holding the float64 fit beside a copy
+    g = torch.Generator().manual_seed(6)
+    heads, d_in = 4, 16
+    wq, wk = torch.randn(16, d_in, generator=g), torch.randn(16, d_in, generator=g)
+    sequences = [torch.randn(int(n), d_in, generator=g) for n in torch.randint(3, 12, (24,), generator=g)]
+    start = fit_collaborative(HeadProducts.from_projections(wq, wk, heads), 5).factors
+    bias = content_bias(wk, None, heads)
+    copied = refine_attention(sequences, sequences, wq, None, wk, start, bias, heads, 0.5, steps=40)
+    given = CollaborativeFactors(*(t.float() for t in (start.shared_query, start.shared_key, start.mixing)))
+    untouched = given.shared_query.clone()
+    consumed = refine_attention(sequences, sequences, wq, None, wk, given, bias, heads, 0.5, steps=40, consume=True)
+    assert not torch.equal(given.shared_query, untouched)  # Adam stepped the caller's tensor itself
+    for a, b in zip((copied.factors.shared_query, copied.factors.shared_key, copied.factors.mixing),
+                    (consumed.factors.shared_query, consumed.factors.shared_key, consumed.factors.mixing)):
+        assert torch.equal(a.float(), b)  # the same float32 numbers, only not widened back
+    assert consumed.factors.shared_query.dtype == torch.float32
 
 
 def test_compress_with_calibration_records_and_loads(tiny_bert, calibration_file, tmp_path, token_batch):

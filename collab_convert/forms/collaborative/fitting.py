@@ -9,12 +9,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ...architectures.layouts import AttentionLayer, Projections
 from ...architectures.source import SourceModel
 from ...cpu import return_freed_heap
 from ...decompose.costs import collaborative_cost, original_cost
 from ...decompose.methods import FitRequest, LayerFit, method_named
-from ...decompose.products import content_bias, relative_error
+from ...decompose.products import CollaborativeFactors, content_bias, relative_error
 from ...format import COLLABORATIVE_FORM, CONTENT_BIAS, FormatConfig, HeadCounts, collaborative_tensors, write_config
 from ...integration.remote_code import write_checkpoint_code
 from ...io.headers import TensorSpec
@@ -84,9 +86,9 @@ def refinement_steps(source: SourceModel, options: CompressOptions, ranks: dict[
                      finished: FinishedLayers | None = None):
     """(fits by layer as (fit, content bias, seconds), refinement steps by layer): each layer
     fitted, its held-out attention KL measured, and `refine_steps` x layers steps shared out in proportion to
-    those KLs (decompose/refinement.share_steps). A resumed run reuses the split it saved, so its output stays
+    those KLs (decompose/held_out_adam.share_steps). A resumed run reuses the split it saved, so its output stays
     byte-identical; its layers are fitted again as they come."""
-    from ...decompose.refinement import share_steps
+    from ...decompose.held_out_adam import share_steps
 
     saved = finished.load_plan() if finished else None
     if saved is not None:
@@ -189,14 +191,24 @@ def _refine(projections: Projections, layer: AttentionLayer, fit: LayerFit, bias
         progress(f"refining{DETAIL}{label}, held-out KL {loss:.4f}", before + step, total)
 
     progress(f"refining{DETAIL}{label}", before, total)
+    # The refinement works in float32 on these tensors themselves (consume): the float64 fit is let go, not held
+    # beside its parameters through the steps (12.6 MB at GPT-2-medium's width and rank 768). Its float32 result is
+    # widened back, exactly, so what follows (the reported error, the written tensors) reads it as before
+    dtype = fit.factors.shared_query.dtype
+    fit.factors = CollaborativeFactors(*(t.to(options.device, torch.float32) for t in (
+        fit.factors.shared_query, fit.factors.shared_key, fit.factors.mixing)))
     refined = refine_attention(
         metric.query_samples, metric.key_samples, projections.query_weight, projections.query_bias,
         projections.key_weight, fit.factors, bias, layer.shape.num_heads, score_scale(layer, metric),
         causal=layer.causal, steps=steps[layer.prefix], seed=options.seed, on_check=on_check,
         position_bias=getattr(metric, "position_bias", None), device=options.device, head_weights=fit.head_weights,
+        consume=True,
     )
+    factors = refined.factors
     return {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
-            "factors": refined.factors, "content_bias": refined.content_bias.to(bias.dtype)}
+            "factors": CollaborativeFactors(factors.shared_query.to(dtype), factors.shared_key.to(dtype),
+                                            factors.mixing.to(dtype)),
+            "content_bias": refined.content_bias.to(bias.dtype)}
 
 
 def layer_report(layer: AttentionLayer, rank: int, fit: LayerFit, refinement: dict[str, Any] | None,
