@@ -33,6 +33,9 @@ HELD_OUT_ROWS, CHECK_SEQUENCES = 64, BATCH_SEQUENCES
 # The attention-weighted key metric's batches, one held at a time: 4 sequences (16 ran no faster, and held 70-86 MB
 # of float32 temporaries at GPT-2-medium's width: the CP fitting stage's peak on a Xeon, docs/benchmarks.md)
 METRIC_SEQUENCES = 4
+# Rows a refinement's packing projects at a time: three float32 temporaries of 16 MB each at GPT-2-medium's width at 4,096,
+# in the steps' reused heap
+PROJECTED_ROWS = 1024
 
 
 # Added to the scores of keys a query may not see: finite, so that 0 x log 0 terms stay 0 without a NaN pass,
@@ -117,14 +120,14 @@ def _packed(sequences: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.
 
 
 def _projected(inputs: torch.Tensor, weight: torch.Tensor, bias, heads: int) -> torch.Tensor:
-    """(T, H, d): inputs @ weight.T + bias, computed in float32 a few thousand rows at a time and stored in the
+    """(T, H, d): inputs @ weight.T + bias, computed in float32 PROJECTED_ROWS rows at a time and stored in the
     inputs' dtype (float16 samples: half the memory), or float32 where that dtype cannot hold the result."""
     out = torch.empty(inputs.shape[0], weight.shape[0], dtype=inputs.dtype, device=inputs.device)
-    for start in range(0, inputs.shape[0], 4096):
-        chunk = inputs[start : start + 4096].float() @ weight.T + bias
+    for start in range(0, inputs.shape[0], PROJECTED_ROWS):
+        chunk = inputs[start : start + PROJECTED_ROWS].float() @ weight.T + bias
         if out.dtype != torch.float32 and not torch.isfinite(chunk.to(out.dtype)).all():
             out = out.float()
-        out[start : start + 4096] = chunk
+        out[start : start + PROJECTED_ROWS] = chunk
     return out.view(out.shape[0], heads, -1)
 
 

@@ -79,12 +79,22 @@ def test_sequences_are_packed_without_padding():
 
 
 def test_queries_that_half_precision_cannot_hold_are_stored_in_float32():
-    inputs = torch.ones(5000, 8, dtype=torch.float16)  # two chunks of rows
+    inputs = torch.ones(5000, 8, dtype=torch.float16)  # several chunks of rows
     inputs[-1] *= 10
     small = _projected(inputs[:-1], torch.full((4, 8), 1e3), 0.0, 2)  # 8,000 in every row: float16 holds it
     large = _projected(inputs, torch.full((4, 8), 1e3), 0.0, 2)  # the last row, in the second chunk: 80,000
     assert small.dtype == torch.float16 and large.dtype == torch.float32 and large.shape == (5000, 2, 2)
     assert float(large[0, 0, 0]) == 8e3 and float(large[-1, 1, 1]) == 8e4  # the first chunk kept through the switch
+
+
+def test_the_projection_a_chunk_of_rows_at_a_time_is_the_whole_product():
+    from collab_convert.decompose.refinement import PROJECTED_ROWS
+
+    g = torch.Generator().manual_seed(3)
+    inputs = torch.randn(2 * PROJECTED_ROWS + 7, 16, generator=g).half()  # three chunks, the last one short
+    weight, bias = torch.randn(8, 16, generator=g), torch.randn(8, generator=g)
+    whole = (inputs.float() @ weight.T + bias).half().view(-1, 2, 4)
+    assert torch.allclose(_projected(inputs, weight, bias, 2).float(), whole.float(), rtol=1e-3, atol=1e-3)
 
 
 def test_held_out_checks_in_small_batches_judge_as_one_batch_would():
