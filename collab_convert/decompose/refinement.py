@@ -33,8 +33,8 @@ HELD_OUT_ROWS, CHECK_SEQUENCES = 64, BATCH_SEQUENCES
 # The attention-weighted key metric's batches, one held at a time: 4 sequences (16 ran no faster, and held 70-86 MB
 # of float32 temporaries at GPT-2-medium's width: the CP fitting stage's peak on a Xeon, docs/benchmarks.md)
 METRIC_SEQUENCES = 4
-# Rows a refinement's packing projects at a time: three float32 temporaries of 16 MB each at GPT-2-medium's width at 4,096,
-# in the steps' reused heap
+# Rows the packing projects at a time (_projected): at 4,096 its three float32 temporaries were 16 MB each at
+# GPT-2-medium's width, kept by the steps' reused heap
 PROJECTED_ROWS = 1024
 
 
@@ -323,7 +323,8 @@ def refine_attention(
     than the fit it started from. `on_check(step, loss)` hears each held-out check. `position_bias` (H, N, N):
     a relative position bias the layer adds to its scores, for sequences up to N long. `head_weights` (H,): each
     head's KL weighted (AttentionTarget). The steps run on `device`; the result comes back in host memory.
-    `consume`: factors already float32 on `device` become the parameters themselves (changed in place), not copied."""
+    `consume`: the starting tensors (the factors, the content bias) that are already float32 on `device` become the
+    parameters themselves (changed in place), not copied."""
     target = AttentionTarget(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal,
                              position_bias, device, head_weights)
     start = (factors.shared_query, factors.shared_key, factors.mixing, content_bias)
