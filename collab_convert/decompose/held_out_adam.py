@@ -49,6 +49,14 @@ class _Average:
                     parameter.copy_(kept)
 
 
+def starting_leaves(tensors, device, consume: bool) -> list[torch.Tensor]:
+    """What Adam steps: each tensor in float32 on `device`, a leaf that wants gradients. `consume`: a tensor already
+    float32 there is the leaf itself (changed in place by the steps), not a copy, so that its caller's other copy
+    need not be held beside it."""
+    return [(t.to(device, torch.float32) if consume else t.to(device, torch.float32).clone()).detach()
+            .requires_grad_(True) for t in tensors]
+
+
 def held_out_count(sequences: int) -> int:
     """How many of the last calibration sequences a refinement holds out to judge itself by: a tenth, when there
     are at least ten (else none: it is judged on what it trains on)."""

@@ -127,6 +127,11 @@ class CollaborativeFactors:
     def dense(self) -> torch.Tensor:
         return torch.einsum("ar,hr,br->hab", self.shared_query, self.mixing, self.shared_key)
 
+    def to(self, *args, **kwargs) -> "CollaborativeFactors":
+        """The three factors moved or cast alike (torch.Tensor.to's arguments)."""
+        return CollaborativeFactors(*(t.to(*args, **kwargs) for t in (self.shared_query, self.shared_key,
+                                                                      self.mixing)))
+
     def balanced(self) -> "CollaborativeFactors":
         """Give each of the three factors the same column norm, so low-precision storage loses least."""
         return self.scaled(*self.balancing_scales())

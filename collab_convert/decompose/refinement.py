@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..devices import HOST, Device, training_products
-from .held_out_adam import adam_with_held_out, held_out_count
+from .held_out_adam import adam_with_held_out, held_out_count, starting_leaves
 from .mixed_scores import mixed_scores
 from .products import CollaborativeFactors
 
@@ -328,12 +328,11 @@ def refine_attention(
     target = AttentionTarget(queries, keys, query_weight, query_bias, key_weight, num_heads, scaling, causal,
                              position_bias, device, head_weights)
     start = (factors.shared_query, factors.shared_key, factors.mixing, content_bias)
-    parameters = [(t.to(target.device, torch.float32) if consume else t.to(target.device, torch.float32).clone())
-                  .detach().requires_grad_(True) for t in start]
+    parameters = starting_leaves(start, target.device, consume)
     generator = torch.Generator().manual_seed(seed)
     best, initial, best_loss, taken = adam_with_held_out(
         parameters, lambda: target.minibatch_kl(parameters, generator, batch_sequences, query_rows),
         lambda: target.held_out_kl(parameters), steps, learning_rate, on_check=on_check)
     dtype = factors.shared_query.dtype
-    refined = CollaborativeFactors(*(b.to(HOST, dtype) for b in best[:3]))
+    refined = CollaborativeFactors(*best[:3]).to(HOST, dtype)
     return RefineResult(refined, best[3].to(HOST, content_bias.dtype), initial, best_loss, taken)

@@ -20,7 +20,7 @@ import torch
 
 from ..cpu import return_freed_heap
 from ..devices import HOST, Device, training_products
-from .held_out_adam import adam_with_held_out_groups, held_out_count
+from .held_out_adam import adam_with_held_out_groups, held_out_count, starting_leaves
 from .preconditioning import InputPreconditioner, second_moment
 from .refinement import drawn_rows
 from .shared_key import HeadGeometry, SharedKeyFactors, slot_frequencies
@@ -296,8 +296,7 @@ def _parameters(layer: LayerToRefine, width: int, pass_width: int, device: Devic
             mixing[to : to + count] = factors.key_mixing[begin : begin + count]
         start[:3] = [mixing, torch.nn.functional.pad(factors.query_core, (0, width - own)),
                      torch.nn.functional.pad(factors.pass_core, (0, pass_width - own_pass))]
-    return [(t.to(device, torch.float32) if consume else t.to(device, torch.float32).clone()).detach()
-            .requires_grad_(True) for t in start]
+    return starting_leaves(start, device, consume)
 
 
 def _typical(state: list[torch.Tensor], layer: LayerToRefine) -> list[float]:

@@ -10,7 +10,7 @@ from collab_convert import CompressOptions, compress, load_model
 from collab_convert.cli import app, main
 from collab_convert.decompose.als import fit_collaborative
 from collab_convert.decompose.calibrated import WHITENING_POWER, InputMetric, fit_calibrated
-from collab_convert.decompose.products import CollaborativeFactors, HeadProducts, content_bias
+from collab_convert.decompose.products import HeadProducts, content_bias
 from collab_convert.decompose.refinement import refine_attention
 
 
@@ -143,7 +143,7 @@ def test_a_consuming_refinement_steps_the_given_float32_factors_and_ends_where_a
     start = fit_collaborative(HeadProducts.from_projections(wq, wk, heads), 5).factors
     bias = content_bias(wk, None, heads)
     copied = refine_attention(sequences, sequences, wq, None, wk, start, bias, heads, 0.5, steps=40)
-    given = CollaborativeFactors(*(t.float() for t in (start.shared_query, start.shared_key, start.mixing)))
+    given = start.to(torch.float32)
     untouched = given.shared_query.clone()
     consumed = refine_attention(sequences, sequences, wq, None, wk, given, bias, heads, 0.5, steps=40, consume=True)
     assert not torch.equal(given.shared_query, untouched)  # Adam stepped the caller's tensor itself

@@ -16,7 +16,7 @@ from ...architectures.source import SourceModel
 from ...cpu import return_freed_heap
 from ...decompose.costs import collaborative_cost, original_cost
 from ...decompose.methods import FitRequest, LayerFit, method_named
-from ...decompose.products import CollaborativeFactors, content_bias, relative_error
+from ...decompose.products import content_bias, relative_error
 from ...format import COLLABORATIVE_FORM, CONTENT_BIAS, FormatConfig, HeadCounts, collaborative_tensors, write_config
 from ...integration.remote_code import write_checkpoint_code
 from ...io.headers import TensorSpec
@@ -195,8 +195,7 @@ def _refine(projections: Projections, layer: AttentionLayer, fit: LayerFit, bias
     # beside its parameters through the steps (12.6 MB at GPT-2-medium's width and rank 768). Its float32 result is
     # widened back, exactly, so what follows (the reported error, the written tensors) reads it as before
     dtype = fit.factors.shared_query.dtype
-    fit.factors = CollaborativeFactors(*(t.to(options.device, torch.float32) for t in (
-        fit.factors.shared_query, fit.factors.shared_key, fit.factors.mixing)))
+    fit.factors = fit.factors.to(options.device, torch.float32)
     refined = refine_attention(
         metric.query_samples, metric.key_samples, projections.query_weight, projections.query_bias,
         projections.key_weight, fit.factors, bias, layer.shape.num_heads, score_scale(layer, metric),
@@ -204,11 +203,8 @@ def _refine(projections: Projections, layer: AttentionLayer, fit: LayerFit, bias
         position_bias=getattr(metric, "position_bias", None), device=options.device, head_weights=fit.head_weights,
         consume=True,
     )
-    factors = refined.factors
     return {"kl_before": refined.kl_before, "kl_after": refined.kl_after, "steps": refined.steps,
-            "factors": CollaborativeFactors(factors.shared_query.to(dtype), factors.shared_key.to(dtype),
-                                            factors.mixing.to(dtype)),
-            "content_bias": refined.content_bias.to(bias.dtype)}
+            "factors": refined.factors.to(dtype), "content_bias": refined.content_bias.to(bias.dtype)}
 
 
 def layer_report(layer: AttentionLayer, rank: int, fit: LayerFit, refinement: dict[str, Any] | None,
